@@ -1,0 +1,1 @@
+"""One module per command; each registers itself on the shared Typer app."""

@@ -1,0 +1,1 @@
+"""Per-tensor methods: small functions the streaming pipeline runs on each eligible tensor."""

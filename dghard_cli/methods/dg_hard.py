@@ -1,0 +1,138 @@
+"""DG-Hard (and the other spectral shrinkers) as a per-tensor pipeline operation.
+
+For one matrix the operation makes two passes over row blocks of the delta (tall form; see
+:mod:`dghard_cli.spectral`): the first accumulates the float64 Gram matrix, the second applies
+the filter and writes ``W_base + Δ*`` in the output dtype, block by block. A matrix too large
+to prefetch is read from disk block by block in both passes, so memory never grows with it.
+
+Decisions recorded per tensor: ``unchanged`` (Δ = 0: the fine-tune's value), ``low-rank``
+(the median singular value is storage rounding noise, as for a merged LoRA: the unknown-noise
+threshold means nothing, so the fine-tune's value is kept), rank 0 (the base's value), all
+components kept (the fine-tune's value).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+
+from ..errors import InputError, RuntimeFailure
+from ..pipeline import Sources, cast_out, passthrough
+from ..plan import TensorJob
+from ..safetensors_format import torch_dtype
+from ..spectral import (
+    ROUTE,
+    Projector,
+    ShrinkSpec,
+    block_rows,
+    filter_spectrum,
+    spectrum_from_gram,
+)
+
+
+class SpectralFilterOp:
+    """Runs a shrinker on the delta of every method tensor of a plan."""
+
+    def __init__(self, spec: ShrinkSpec, device: torch.device, block_bytes: int = 64 * 1024 * 1024) -> None:
+        self.spec = spec
+        self.device = device
+        self.block_bytes = block_bytes
+
+    # blocks of the delta in tall form: (index, base block, ft block) on the device
+    def _blocks(self, src: Sources, rows: int, cols: int, tall: bool):
+        dev = self.device
+        if tall:
+            step = block_rows(cols, self.block_bytes)
+            for r0 in range(0, rows, step):
+                r1 = min(r0 + step, rows)
+                yield (r0, r1), src.base((r0, r1)).to(dev), src.ft(0, (r0, r1)).to(dev)
+        else:
+            base = src.base()[:rows].to(dev)
+            ft = src.ft(0)[:rows].to(dev)
+            step = block_rows(rows, self.block_bytes)
+            for c0 in range(0, cols, step):
+                c1 = min(c0 + step, cols)
+                yield (c0, c1), base[:, c0:c1], ft[:, c0:c1]
+
+    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+        rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
+        cols = job.shape[1]
+        shape = (rows, cols)
+        tall = rows >= cols
+        small = min(shape)
+        dev = self.device
+        ft_dtype = job.fts[0].dtype
+
+        # pass 1: Gram matrix of the tall form, ‖W_ft‖², finiteness
+        g = torch.zeros((small, small), dtype=torch.float64, device=dev)
+        sumsq_ft = torch.zeros((), dtype=torch.float64, device=dev)
+        for _, b, f in self._blocks(src, rows, cols, tall):
+            f64 = f.to(torch.float64)
+            x = f64 - b.to(torch.float64)
+            if not tall:
+                x = x.T
+            g.addmm_(x.T, x)
+            sumsq_ft += torch.sum(f64 * f64)
+        if not bool(torch.isfinite(g).all()) or not bool(torch.isfinite(sumsq_ft)):
+            raise InputError(
+                f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the checkpoint"
+            )
+        fro2 = float(torch.trace(g))
+        rec["delta_norm"] = math.sqrt(max(fro2, 0.0))
+        if fro2 == 0.0:
+            rec["action"], rec["reason"] = "kept-ft", "unchanged"
+            yield from passthrough(job, src, rec)
+            return
+
+        spectrum = spectrum_from_gram(g, shape)
+        del g
+        rms_ft = math.sqrt(float(sumsq_ft) / (rows * cols))
+        filt = filter_spectrum(spectrum, self.spec, ft_dtype=ft_dtype, rms_ft=rms_ft)
+        rec.update(_round_stats(filt.stats))
+        rec["route"] = ROUTE
+        if self.spec.noise == "median" and filt.stats.get("low_rank"):
+            rec["action"], rec["reason"] = "kept-ft", "low-rank"
+            yield from passthrough(job, src, rec)
+            return
+        proj = Projector.from_weights(spectrum, filt.weights)
+        if proj.identity and job.shared_rows is None:
+            yield from passthrough(job, src, rec)
+            return
+
+        out_dtype = torch_dtype(job.out_dtype)
+        # pass 2: W_base + Δ*, in the output dtype
+        if tall:
+            for _, b, f in self._blocks(src, rows, cols, tall):
+                if proj.zero:
+                    out = b.to(out_dtype)
+                else:
+                    b64 = b.to(torch.float64)
+                    out = _finite(b64 + proj.apply(f.to(torch.float64) - b64), job).to(out_dtype)
+                yield out.cpu()
+        else:
+            full = torch.empty((rows, cols), dtype=out_dtype, device=dev)
+            for (c0, c1), b, f in self._blocks(src, rows, cols, tall):
+                if proj.zero:
+                    full[:, c0:c1] = b.to(out_dtype)
+                    continue
+                b64 = b.to(torch.float64)
+                xs = proj.apply((f.to(torch.float64) - b64).T).T
+                full[:, c0:c1] = _finite(b64 + xs, job).to(out_dtype)
+            yield full.cpu()
+        if job.shared_rows is not None and job.shape[0] > rows:
+            yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)
+
+
+def _finite(t: torch.Tensor, job: TensorJob) -> torch.Tensor:
+    if not bool(torch.isfinite(t).all()):
+        raise RuntimeFailure(f"tensor {job.name!r}: the filter produced NaN/Inf; refusing to write it")
+    return t
+
+
+def _round_stats(stats: dict) -> dict:
+    out = {}
+    for k, v in stats.items():
+        out[k] = float(f"{v:.10g}") if isinstance(v, float) else v
+    return out

@@ -1,0 +1,74 @@
+"""``dghard repair``: DG-Hard (or another spectral shrinker) on every weight delta.
+
+W* = W_base + Δ*,   Δ* = the singular components of Δ = W_ft − W_base that survive the
+                          Gavish–Donoho cut (or another shrinker's weights).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .methods.dg_hard import SpectralFilterOp
+from .plan import PolicyOptions, build_plan
+from .runner import RunOptions, write_model
+from .sources import open_checkpoint
+from .spectral import ROUTE, ShrinkSpec
+
+
+@dataclass
+class RepairOptions:
+    spec: ShrinkSpec = field(default_factory=ShrinkSpec)
+    policy: PolicyOptions = field(default_factory=PolicyOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    base_revision: str | None = None
+    ft_revision: str | None = None
+    block_bytes: int = 64 * 1024 * 1024
+
+
+def repair_parameters(opts: RepairOptions) -> dict:
+    p = opts.spec.describe()
+    pol = opts.policy
+    p.update(
+        {
+            "min_numel": pol.min_numel,
+            "include": list(pol.include),
+            "exclude": list(pol.exclude),
+            "allow_missing": pol.allow_missing,
+            "dtype": pol.out_dtype,
+            "shard_size": pol.shard_size,
+            "route": ROUTE,
+        }
+    )
+    return p
+
+
+def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOptions | None = None) -> dict:
+    """Repair FT against BASE into OUT; returns the report (also written to OUT).
+
+    With ``options.run.dry_run`` nothing is written and the report holds the plan.
+    """
+    opts = options or RepairOptions()
+    t0 = time.perf_counter()
+    base_ck = open_checkpoint(str(base), revision=opts.base_revision, label="BASE")
+    ft_ck = open_checkpoint(str(ft), revision=opts.ft_revision, label="FT")
+    try:
+        plan = build_plan(base_ck, [ft_ck], opts.policy)
+        timings = {"plan": time.perf_counter() - t0}
+        method = "dg-hard" if opts.spec.shrink == "hard" else f"spectral-{opts.spec.shrink}"
+        return write_model(
+            command="repair",
+            method=method,
+            parameters=repair_parameters(opts),
+            base=base_ck,
+            fts=[ft_ck],
+            out=Path(out),
+            plan=plan,
+            make_op=lambda device: SpectralFilterOp(opts.spec, device, opts.block_bytes),
+            run=opts.run,
+            timings=timings,
+        )
+    finally:
+        base_ck.close()
+        ft_ck.close()
