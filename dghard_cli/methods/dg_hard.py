@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -26,10 +27,74 @@ from ..spectral import (
     ROUTE,
     Projector,
     ShrinkSpec,
+    Spectrum,
     block_rows,
     filter_spectrum,
     spectrum_from_gram,
 )
+
+
+@dataclass
+class DeltaSpectrum:
+    """Pass 1 over a job's delta: its spectrum (None when Δ = 0) and ‖W_ft‖ statistics."""
+
+    spectrum: Spectrum | None
+    fro2: float
+    rms_ft: float
+    shape: tuple[int, int]
+
+
+def delta_blocks(src: Sources, rows: int, cols: int, device: torch.device, block_bytes: int, ft: int = 0):
+    """Blocks ``(range, base block, ft block)`` of a matrix's first ``rows`` rows, on ``device``.
+
+    Tall matrices (rows >= cols) come in row blocks, read from disk block by block when the
+    job was not prefetched; wide ones are read whole and split into column blocks. Either way
+    the tall form of a block's delta is ``f - b`` (tall) or ``(f - b).T`` (wide).
+    """
+    if rows >= cols:
+        step = block_rows(cols, block_bytes)
+        for r0 in range(0, rows, step):
+            r1 = min(r0 + step, rows)
+            yield (r0, r1), src.base((r0, r1)).to(device), src.ft(ft, (r0, r1)).to(device)
+    else:
+        base = src.base()[:rows].to(device)
+        fine = src.ft(ft)[:rows].to(device)
+        step = block_rows(rows, block_bytes)
+        for c0 in range(0, cols, step):
+            c1 = min(c0 + step, cols)
+            yield (c0, c1), base[:, c0:c1], fine[:, c0:c1]
+
+
+def delta_spectrum(
+    job: TensorJob, src: Sources, device: torch.device, block_bytes: int = 64 * 1024 * 1024, ft: int = 0
+) -> DeltaSpectrum:
+    """Spectrum of Δ = W_ft − W_base (shared rows only for a resized vocabulary).
+
+    Accumulates the float64 Gram matrix of the tall form block by block; raises InputError
+    naming the tensor when an input holds NaN/Inf.
+    """
+    rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
+    cols = job.shape[1]
+    shape = (rows, cols)
+    tall = rows >= cols
+    small = min(shape)
+    g = torch.zeros((small, small), dtype=torch.float64, device=device)
+    sumsq_ft = torch.zeros((), dtype=torch.float64, device=device)
+    for _, b, f in delta_blocks(src, rows, cols, device, block_bytes, ft):
+        f64 = f.to(torch.float64)
+        x = f64 - b.to(torch.float64)
+        if not tall:
+            x = x.T
+        g.addmm_(x.T, x)
+        sumsq_ft += torch.sum(f64 * f64)
+    if not bool(torch.isfinite(g).all()) or not bool(torch.isfinite(sumsq_ft)):
+        raise InputError(
+            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the checkpoint"
+        )
+    fro2 = float(torch.trace(g))
+    rms_ft = math.sqrt(float(sumsq_ft) / (rows * cols))
+    spectrum = spectrum_from_gram(g, shape) if fro2 > 0.0 else None
+    return DeltaSpectrum(spectrum=spectrum, fro2=fro2, rms_ft=rms_ft, shape=shape)
 
 
 class SpectralFilterOp:
@@ -40,71 +105,33 @@ class SpectralFilterOp:
         self.device = device
         self.block_bytes = block_bytes
 
-    # blocks of the delta in tall form: (index, base block, ft block) on the device
-    def _blocks(self, src: Sources, rows: int, cols: int, tall: bool):
-        dev = self.device
-        if tall:
-            step = block_rows(cols, self.block_bytes)
-            for r0 in range(0, rows, step):
-                r1 = min(r0 + step, rows)
-                yield (r0, r1), src.base((r0, r1)).to(dev), src.ft(0, (r0, r1)).to(dev)
-        else:
-            base = src.base()[:rows].to(dev)
-            ft = src.ft(0)[:rows].to(dev)
-            step = block_rows(rows, self.block_bytes)
-            for c0 in range(0, cols, step):
-                c1 = min(c0 + step, cols)
-                yield (c0, c1), base[:, c0:c1], ft[:, c0:c1]
-
     def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
-        rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
-        cols = job.shape[1]
-        shape = (rows, cols)
-        tall = rows >= cols
-        small = min(shape)
         dev = self.device
-        ft_dtype = job.fts[0].dtype
-
-        # pass 1: Gram matrix of the tall form, ‖W_ft‖², finiteness
-        g = torch.zeros((small, small), dtype=torch.float64, device=dev)
-        sumsq_ft = torch.zeros((), dtype=torch.float64, device=dev)
-        for _, b, f in self._blocks(src, rows, cols, tall):
-            f64 = f.to(torch.float64)
-            x = f64 - b.to(torch.float64)
-            if not tall:
-                x = x.T
-            g.addmm_(x.T, x)
-            sumsq_ft += torch.sum(f64 * f64)
-        if not bool(torch.isfinite(g).all()) or not bool(torch.isfinite(sumsq_ft)):
-            raise InputError(
-                f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the checkpoint"
-            )
-        fro2 = float(torch.trace(g))
-        rec["delta_norm"] = math.sqrt(max(fro2, 0.0))
-        if fro2 == 0.0:
+        ds = delta_spectrum(job, src, dev, self.block_bytes)
+        rows, cols = ds.shape
+        tall = rows >= cols
+        rec["delta_norm"] = math.sqrt(max(ds.fro2, 0.0))
+        if ds.spectrum is None:
             rec["action"], rec["reason"] = "kept-ft", "unchanged"
             yield from passthrough(job, src, rec)
             return
-
-        spectrum = spectrum_from_gram(g, shape)
-        del g
-        rms_ft = math.sqrt(float(sumsq_ft) / (rows * cols))
-        filt = filter_spectrum(spectrum, self.spec, ft_dtype=ft_dtype, rms_ft=rms_ft)
+        filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=job.fts[0].dtype, rms_ft=ds.rms_ft)
         rec.update(_round_stats(filt.stats))
         rec["route"] = ROUTE
         if self.spec.noise == "median" and filt.stats.get("low_rank"):
             rec["action"], rec["reason"] = "kept-ft", "low-rank"
             yield from passthrough(job, src, rec)
             return
-        proj = Projector.from_weights(spectrum, filt.weights)
+        proj = Projector.from_weights(ds.spectrum, filt.weights)
         if proj.identity and job.shared_rows is None:
             yield from passthrough(job, src, rec)
             return
 
         out_dtype = torch_dtype(job.out_dtype)
+        blocks = delta_blocks(src, rows, cols, dev, self.block_bytes)
         # pass 2: W_base + Δ*, in the output dtype
         if tall:
-            for _, b, f in self._blocks(src, rows, cols, tall):
+            for _, b, f in blocks:
                 if proj.zero:
                     out = b.to(out_dtype)
                 else:
@@ -113,7 +140,7 @@ class SpectralFilterOp:
                 yield out.cpu()
         else:
             full = torch.empty((rows, cols), dtype=out_dtype, device=dev)
-            for (c0, c1), b, f in self._blocks(src, rows, cols, tall):
+            for (c0, c1), b, f in blocks:
                 if proj.zero:
                     full[:, c0:c1] = b.to(out_dtype)
                     continue

@@ -1,0 +1,52 @@
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))  # for `import reference`
+
+
+def run_dghard(
+    *args: str, cwd: Path | None = None, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
+    """Run the real command line in a subprocess (exit codes, stderr, no traceback)."""
+    e = dict(os.environ)
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.setdefault("HF_HUB_OFFLINE", "1")
+    e.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "dghard_cli", *map(str, args)],
+        cwd=cwd,
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def load_dir(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory, loaded with the reference safetensors library."""
+    out: dict[str, torch.Tensor] = {}
+    for f in sorted(Path(path).glob("*.safetensors")):
+        for k, v in load_file(str(f)).items():
+            assert k not in out, f"{k} stored twice"
+            out[k] = v
+    return out
+
+
+def f64(t: torch.Tensor) -> np.ndarray:
+    return t.to(torch.float64).numpy()
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))

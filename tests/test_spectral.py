@@ -1,0 +1,112 @@
+"""The spectral core against a float64 numpy SVD reference."""
+
+import numpy as np
+import pytest
+import torch
+from reference import ref_filter, rel
+
+from dghard_cli.errors import InputError
+from dghard_cli.spectral import ShrinkSpec, filter_dense, gd_threshold
+
+
+def spiked(m, n, *, rank=4, strengths=(6.0, 3.0, 2.0, 1.2), noise=0.01, seed=0):
+    """A few spikes over a Marchenko–Pastur bulk; strengths in units of the bulk edge."""
+    rng = np.random.default_rng(seed)
+    big, small = max(m, n), min(m, n)
+    edge = noise * (np.sqrt(big) + np.sqrt(small))
+    u = np.linalg.qr(rng.normal(size=(m, rank)))[0]
+    v = np.linalg.qr(rng.normal(size=(n, rank)))[0]
+    s = np.array(strengths[:rank]) * edge
+    return noise * rng.normal(size=(m, n)) + (u * s) @ v.T
+
+
+SHAPES = [(300, 200), (200, 300), (256, 256), (1000, 64), (64, 1000), (97, 61)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shrink", ["hard", "soft", "optimal", "twoknob"])
+def test_filter_matches_float64_svd(shape, shrink):
+    d = spiked(*shape, seed=hash(shape) % 1000)
+    kw = {"a": 0.9, "b": 0.3} if shrink == "twoknob" else {}
+    ref, rank, tau = ref_filter(d, shrink=shrink, **kw)
+    out, f = filter_dense(torch.from_numpy(d), ShrinkSpec(shrink=shrink, **kw))
+    assert rel(out.numpy(), ref) < 1e-9
+    assert abs(f.tau - tau) <= 1e-12 * tau
+    if shrink == "hard":
+        assert f.stats["rank_kept"] == rank
+
+
+def test_known_noise_threshold():
+    d = spiked(400, 300, noise=0.02)
+    ref, rank, tau = ref_filter(d, sigma=0.02)
+    out, f = filter_dense(torch.from_numpy(d), ShrinkSpec(noise="known", sigma=0.02))
+    assert rel(out.numpy(), ref) < 1e-9 and f.stats["rank_kept"] == rank
+    assert abs(f.tau - tau) < 1e-12 * tau
+
+
+def test_median_is_the_statistical_median_for_even_counts():
+    s = np.array([5.0, 4.0, 2.0, 1.0])  # numpy median 3.0; torch.median would give 2.0
+    tau, med, _ = gd_threshold(s, (8, 4), ShrinkSpec())
+    assert med == 3.0
+
+
+def test_spikes_close_to_the_threshold_keep_the_reference_rank():
+    # strengths chosen so the 3rd and 4th spikes land near τ
+    for seed in range(6):
+        d = spiked(512, 384, strengths=(8.0, 4.0, 1.25, 1.15), seed=seed)
+        ref, rank, _ = ref_filter(d)
+        out, f = filter_dense(torch.from_numpy(d), ShrinkSpec())
+        assert f.stats["rank_kept"] == rank
+        assert rel(out.numpy(), ref) < 1e-9
+
+
+def test_scale_extremes():
+    d = torch.from_numpy(spiked(120, 80))
+    out, f = filter_dense(d, ShrinkSpec(scale=1e9))
+    assert f.stats["rank_kept"] == 0 and float(out.abs().max()) == 0.0
+    out, f = filter_dense(d, ShrinkSpec(scale=0.0))
+    assert f.stats["rank_kept"] == 80 and rel(out.numpy(), d.numpy()) < 1e-12
+
+
+def test_twoknob_contains_dg_hard_and_wise_ft():
+    d = torch.from_numpy(spiked(150, 100))
+    hard, _ = filter_dense(d, ShrinkSpec())
+    tk, _ = filter_dense(d, ShrinkSpec(shrink="twoknob", a=1.0, b=0.0))
+    assert rel(tk.numpy(), hard.numpy()) < 1e-12
+    wise, _ = filter_dense(d, ShrinkSpec(shrink="twoknob", a=0.4, b=0.4))
+    assert rel(wise.numpy(), 0.4 * d.numpy()) < 1e-12
+
+
+def test_zero_delta_keeps_nothing_and_reports_zero_energy():
+    out, f = filter_dense(torch.zeros(64, 32, dtype=torch.float64), ShrinkSpec())
+    assert float(out.abs().max()) == 0.0 and f.stats["rank_kept"] == 0
+
+
+def test_lora_merged_in_float32_is_detected_as_low_rank():
+    rng = np.random.default_rng(3)
+    w = rng.normal(size=(256, 128)).astype(np.float32) * 0.02
+    ba = (rng.normal(size=(256, 8)) @ rng.normal(size=(8, 128)) * 1e-3).astype(np.float32)
+    ft = (w + ba).astype(np.float32)
+    d = torch.from_numpy(ft.astype(np.float64) - w.astype(np.float64))
+    rms = float(np.sqrt(np.mean(ft.astype(np.float64) ** 2)))
+    _, f = filter_dense(d, ShrinkSpec(), ft_dtype="F32", rms_ft=rms)
+    assert f.stats["low_rank"] == 8
+    # a genuine noisy update of the same size is not flagged
+    noisy = torch.from_numpy(spiked(256, 128, noise=1e-3))
+    _, g = filter_dense(noisy, ShrinkSpec(), ft_dtype="F32", rms_ft=0.02)
+    assert g.stats["low_rank"] is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(shrink="nope"),
+        dict(noise="known"),
+        dict(noise="known", sigma=-1.0),
+        dict(scale=float("nan")),
+        dict(noise="x"),
+    ],
+)
+def test_bad_specs_are_input_errors(kwargs):
+    with pytest.raises(InputError):
+        ShrinkSpec(**kwargs)
