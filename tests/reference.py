@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from functools import lru_cache
+from functools import cache
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +26,7 @@ def ref_lambda_star(beta: float) -> float:
     return math.sqrt(2 * (beta + 1) + 8 * beta / ((beta + 1) + math.sqrt(beta**2 + 14 * beta + 1)))
 
 
-@lru_cache(maxsize=None)
+@cache
 def ref_mp_median(beta: float) -> float:
     a, b = (1 - math.sqrt(beta)) ** 2, (1 + math.sqrt(beta)) ** 2
 
