@@ -19,6 +19,7 @@ from rich.text import Text
 
 from . import __version__
 from .errors import DGHardError
+from .memory import limit_allocator_retention
 
 app = typer.Typer(
     name="dghard",
@@ -85,7 +86,8 @@ def emit(doc: dict, *, as_json: bool, quiet: bool, render: Callable[[Console], N
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         sys.stdout.flush()
     elif not quiet:
-        render(Console(highlight=False))
+        # logs are not terminals: use a wide line instead of rich's default of 80 columns
+        render(Console(highlight=False, width=None if sys.stdout.isatty() else 200))
 
 
 def _version(value: bool) -> None:
@@ -102,3 +104,4 @@ def main(
     ] = None,
 ) -> None:
     """dghard: repair, merge and audit fine-tuned checkpoints."""
+    limit_allocator_retention()

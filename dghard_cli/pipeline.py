@@ -111,9 +111,9 @@ def job_inputs(job: TensorJob) -> dict[str, TensorInfo]:
 
 @dataclass
 class EngineOptions:
-    prefetch_bytes: int = 512 * 1024 * 1024  # inputs read ahead
-    write_bytes: int = 256 * 1024 * 1024  # outputs queued for the writer
-    stream_bytes: int = 256 * 1024 * 1024  # jobs with more input than this are not prefetched
+    prefetch_bytes: int = 256 * 1024 * 1024  # inputs read ahead (the current job's included)
+    write_bytes: int = 64 * 1024 * 1024  # outputs queued for the writer
+    stream_bytes: int = 256 * 1024 * 1024  # jobs with more input than this are read in blocks
 
 
 class _Prefetcher(threading.Thread):
@@ -402,6 +402,7 @@ def execute(
                 for block in blocks:
                     writer.put(job.name, block)
                 rec["seconds"] = round(time.perf_counter() - t0, 6)
+                del raw, src, blocks  # drop the inputs before the next job's are read
                 pre.budget.release(held)
                 records[job.name] = rec
                 shard_records.append(rec)

@@ -149,14 +149,14 @@ def matrix_eligibility(opts: PolicyOptions) -> Eligibility:
     """Repair's rule: 2-D floating matrices of at least ``min_numel`` elements."""
 
     def eligible(name: str, info: TensorInfo) -> str | None:
-        if not opts.selected(name):
-            return "excluded"
         if info.dtype not in FLOAT_DTYPES:
             return "non-float"
         if len(info.shape) == 1 or len(info.shape) == 0:
             return "1-d"
         if len(info.shape) >= 3:
             return f"{len(info.shape)}-d"
+        if not opts.selected(name):
+            return "excluded"
         if info.numel < opts.min_numel:
             return "small"
         if min(info.shape) < 2:

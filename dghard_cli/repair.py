@@ -24,7 +24,7 @@ class RepairOptions:
     run: RunOptions = field(default_factory=RunOptions)
     base_revision: str | None = None
     ft_revision: str | None = None
-    block_bytes: int = 64 * 1024 * 1024
+    block_bytes: int = 32 * 1024 * 1024
 
 
 def repair_parameters(opts: RepairOptions) -> dict:

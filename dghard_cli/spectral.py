@@ -315,11 +315,18 @@ class Projector:
     def zero(self) -> bool:
         return self.c == 0.0 and self.vs.shape[1] == 0
 
-    def apply(self, xb: torch.Tensor) -> torch.Tensor:
-        """Filtered rows for a float64 row block ``xb`` of the tall form (same device)."""
-        out = xb * self.c if self.c != 1.0 else xb.clone()
-        if self.vs.shape[1]:
-            out.addmm_((xb @ self.vs) * self.d, self.vs.T)
+    def apply(self, xb: torch.Tensor, *, inplace: bool = False) -> torch.Tensor:
+        """Filtered rows for a float64 row block ``xb`` of the tall form (same device).
+
+        ``inplace`` overwrites ``xb`` (saves one block of memory when it is a temporary).
+        """
+        coeff = (xb @ self.vs) * self.d if self.vs.shape[1] else None
+        if inplace:
+            out = xb.mul_(self.c) if self.c != 1.0 else xb
+        else:
+            out = xb * self.c if self.c != 1.0 else xb.clone()
+        if coeff is not None:
+            out.addmm_(coeff, self.vs.T)
         return out
 
 

@@ -51,7 +51,7 @@ def render_plan(console: Console, doc: dict, verbose: bool) -> None:
     if verbose:
         t = Table(show_header=True, box=None)
         for col in ("name", "shape", "dtype", "action", "shard"):
-            t.add_column(col)
+            t.add_column(col, overflow="fold")
         for r in doc["tensors"]:
             t.add_row(
                 Text(r["name"]),
@@ -64,7 +64,7 @@ def render_plan(console: Console, doc: dict, verbose: bool) -> None:
 
 
 def render_report(console: Console, doc: dict) -> None:
-    from .report import summary_table
+    from ..report import summary_table
 
     console.print(summary_table(doc))
 
@@ -134,7 +134,7 @@ def repair_cmd(
 ) -> None:
     """Repair FT against BASE: keep the spectral spikes of every weight delta, drop the noise bulk."""
 
-    def body() -> dict:
+    def body() -> None:
         opts = RepairOptions(
             spec=ShrinkSpec(shrink=shrink, scale=scale, noise=noise, sigma=sigma, a=a, b=b),
             policy=PolicyOptions(
@@ -157,10 +157,10 @@ def repair_cmd(
             base_revision=base_revision,
             ft_revision=revision,
         )
-        return repair(base, ft, out, opts)
+        doc = repair(base, ft, out, opts)
+        if dry_run:
+            emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
+        else:
+            emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_report(c, doc))
 
-    doc = run_cli(body, verbose=verbose)
-    if dry_run:
-        emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
-    else:
-        emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_report(c, doc))
+    run_cli(body, verbose=verbose)

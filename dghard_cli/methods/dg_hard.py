@@ -66,7 +66,7 @@ def delta_blocks(src: Sources, rows: int, cols: int, device: torch.device, block
 
 
 def delta_spectrum(
-    job: TensorJob, src: Sources, device: torch.device, block_bytes: int = 64 * 1024 * 1024, ft: int = 0
+    job: TensorJob, src: Sources, device: torch.device, block_bytes: int = 32 * 1024 * 1024, ft: int = 0
 ) -> DeltaSpectrum:
     """Spectrum of Δ = W_ft − W_base (shared rows only for a resized vocabulary).
 
@@ -81,12 +81,12 @@ def delta_spectrum(
     g = torch.zeros((small, small), dtype=torch.float64, device=device)
     sumsq_ft = torch.zeros((), dtype=torch.float64, device=device)
     for _, b, f in delta_blocks(src, rows, cols, device, block_bytes, ft):
-        f64 = f.to(torch.float64)
-        x = f64 - b.to(torch.float64)
+        x = f.to(torch.float64)
+        sumsq_ft += torch.linalg.vector_norm(x) ** 2
+        x = x.sub_(b)  # exact: the difference of two float32-representable values
         if not tall:
             x = x.T
         g.addmm_(x.T, x)
-        sumsq_ft += torch.sum(f64 * f64)
     if not bool(torch.isfinite(g).all()) or not bool(torch.isfinite(sumsq_ft)):
         raise InputError(
             f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the checkpoint"
@@ -100,7 +100,7 @@ def delta_spectrum(
 class SpectralFilterOp:
     """Runs a shrinker on the delta of every method tensor of a plan."""
 
-    def __init__(self, spec: ShrinkSpec, device: torch.device, block_bytes: int = 64 * 1024 * 1024) -> None:
+    def __init__(self, spec: ShrinkSpec, device: torch.device, block_bytes: int = 32 * 1024 * 1024) -> None:
         self.spec = spec
         self.device = device
         self.block_bytes = block_bytes
@@ -136,7 +136,9 @@ class SpectralFilterOp:
                     out = b.to(out_dtype)
                 else:
                     b64 = b.to(torch.float64)
-                    out = _finite(b64 + proj.apply(f.to(torch.float64) - b64), job).to(out_dtype)
+                    x = proj.apply(f.to(torch.float64).sub_(b64), inplace=True)
+                    out = _finite(b64.add_(x), job).to(out_dtype)
+                    del x, b64
                 yield out.cpu()
         else:
             full = torch.empty((rows, cols), dtype=out_dtype, device=dev)
@@ -145,8 +147,8 @@ class SpectralFilterOp:
                     full[:, c0:c1] = b.to(out_dtype)
                     continue
                 b64 = b.to(torch.float64)
-                xs = proj.apply((f.to(torch.float64) - b64).T).T
-                full[:, c0:c1] = _finite(b64 + xs, job).to(out_dtype)
+                xs = proj.apply(f.to(torch.float64).sub_(b64).T, inplace=True).T
+                full[:, c0:c1] = _finite(b64.add_(xs), job).to(out_dtype)
             yield full.cpu()
         if job.shared_rows is not None and job.shape[0] > rows:
             yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)
