@@ -172,7 +172,7 @@ class OutputStage:
         self.dir = staging_dir(self.out)
         self.fingerprint = fingerprint
         self.done: dict[str, ShardRecord] = {}
-        self.resumed = False
+        self.resumed: list[str] = []  # shards verified and kept from an interrupted run
         self._open(resume)
 
     def _open(self, resume: bool | None) -> None:
@@ -197,7 +197,6 @@ class OutputStage:
                     "different inputs; remove it or rerun without --resume"
                 )
             if same and resume is not False:
-                self.resumed = True
                 for rec in records:
                     path = self.dir / rec["name"]
                     if (
@@ -206,6 +205,7 @@ class OutputStage:
                         and file_sha256(path) == rec["sha256"]
                     ):
                         self.done[rec["name"]] = ShardRecord(**rec)
+                self.resumed = sorted(self.done)
                 self._rewrite_journal()
                 return
             shutil.rmtree(self.dir)

@@ -213,7 +213,8 @@ def write_model(
         "bytes": plan.out_bytes,
         "index": plan.write_index,
         "copied_files": copied,
-        "resumed_shards": sorted(s for s in stage.done if stage.resumed) if stage.resumed else [],
+        "resumed_shards": stage.resumed,
+        "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
     }
     extra = extra_report() if extra_report else None
     doc = report_mod.build_report(
