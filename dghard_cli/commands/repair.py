@@ -64,7 +64,7 @@ def render_plan(console: Console, doc: dict, verbose: bool) -> None:
 
 
 def render_report(console: Console, doc: dict) -> None:
-    from .report import summary_table
+    from ..report import summary_table
 
     console.print(summary_table(doc))
 
