@@ -100,14 +100,13 @@ def _cell(rec: dict, key: str) -> str:
 
 def summary_rows(doc: dict) -> list[tuple[str, str]]:
     s = doc["summary"]
-    rows = [("verdict", s.get("verdict") or "—")]
-    rows.append(
+    rows = [
         (
             "tensors",
             f"{s['tensors']} (" + ", ".join(f"{k} {v}" for k, v in s.get("actions", {}).items()) + ")",
         )
-    )
-    rows.append(("matrices filtered", str(s.get("method_tensors", 0))))
+    ]
+    rows.append(("matrices analysed", str(s.get("method_tensors", 0))))
     if s.get("energy_kept") is not None:
         rows.append(("energy kept", f"{pct(s['energy_kept'])} of ‖Δ‖²"))
     if s.get("rank_kept_median") is not None:

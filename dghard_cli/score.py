@@ -10,9 +10,10 @@ plain ``{"benchmark": score}`` JSON. Every score is put on one scale, **points**
 Which metric represents an lm-evaluation-harness task (keys ``name,filter`` such as
 ``acc,none`` with ``name_stderr,filter`` siblings):
 
-- ``--metric NAME`` (every task) or ``--metric TASK=NAME`` (one task); ``NAME`` is a metric
-  (``acc``: its ``none`` filter first) or a full key (``exact_match,flexible-extract``);
-- otherwise the first present of ``acc_norm, acc, exact_match, pass@1, pass_at_1, mc2, f1, em``,
+- ``--metric NAME`` (every task that has it; an error if none has) or ``--metric TASK=NAME``
+  (that task, which must have it); ``NAME`` is a metric (``acc``: its ``none`` filter first)
+  or a full key (``exact_match,flexible-extract``);
+- otherwise (and for tasks without the global ``--metric``) the first present of ``acc_norm, acc, exact_match, pass@1, pass_at_1, mc2, f1, em``,
   filter ``none`` first, then ``strict-match``, then the file's order; failing those, the task's
   first higher-is-better numeric metric. Metrics the file marks lower-is-better are never
   chosen. The base file decides each task's metric; the other files must carry the same key.
@@ -126,9 +127,6 @@ class MetricRule:
                 rule.default = v
         return rule
 
-    def for_task(self, task: str) -> str | None:
-        return self.per_task.get(task, self.default)
-
 
 # -- reading files ---------------------------------------------------------------------------
 
@@ -208,6 +206,19 @@ def choose_metric(
         return (name_rank, _filter_rank(e[3]) if name_rank < n else 0, e[0])
 
     return min(usable, key=rank)[1]
+
+
+def _matches(key: str, requested: str) -> bool:
+    return key == requested or ("," not in requested and _split_key(key)[0] == requested)
+
+
+def _requested(rule: MetricRule, task: str, entry: Mapping) -> str | None:
+    """The metric asked for this task: its own (strict), or the global one where it has it."""
+    if task in rule.per_task:
+        return rule.per_task[task]
+    if rule.default is not None and any(_matches(k, rule.default) for _, k, _, _ in _metric_entries(entry)):
+        return rule.default
+    return None
 
 
 def _stderr_value(v: object) -> float | None:
@@ -366,13 +377,13 @@ def _read_lm_eval(
                 )
         elif fixed:  # a task the base lacks: read leniently, it is reported as ignored
             try:
-                key = choose_metric(task, entry, hib, rule.for_task(task), source)
+                key = choose_metric(task, entry, hib, _requested(rule, task, entry), source)
             except InputError:
                 key = None
             if key is None:
                 continue
         else:
-            key = choose_metric(task, entry, hib, rule.for_task(task), source)
+            key = choose_metric(task, entry, hib, _requested(rule, task, entry), source)
             if key is None:
                 warnings.append(f"{source}: task {task!r} has no higher-is-better score; skipped")
                 continue
@@ -383,6 +394,17 @@ def _read_lm_eval(
         metrics[task] = key
     if not raw:
         raise InputError(f"{source}: no task with a usable score in 'results'")
+    if not fixed:
+        unknown = [t for t in rule.per_task if t not in raw]
+        if unknown:
+            raise InputError(
+                f"{source}: --metric {unknown[0]}=...: no scored task {unknown[0]!r} in this file "
+                f"(tasks: {', '.join(raw)})"
+            )
+        if rule.default is not None and not any(
+            _matches(k, rule.default) for t, k in metrics.items() if t not in rule.per_task
+        ):
+            raise InputError(f"{source}: --metric {rule.default!r} matches no task in this file")
     used, scores = _apply_scale(raw, scale, source)
     return ResultFile(
         source=source, format="lm-eval", scale=used, scores=scores, metrics=metrics, warnings=warnings
@@ -768,10 +790,13 @@ def render(console, doc: dict) -> None:
                 f"{label[r['partition']]} {_fmt(r['score'], '+.1f' if unit == ' pt' else '.1f', unit)}",
             )
         console.print(ct)
-        line = (
-            f"  repair {_fmt(cd['repair'], '.1f', ' %')}   retention {_fmt(cd['retention'], '.1f', ' %')}"
-            f"   HM {_fmt(cd['hm'], '.1f')}   unchanged {_fmt(cd['unchanged_mean_change'], '+.2f', ' pt')}"
+        console.print(
+            Text(
+                f"  HM {_fmt(cd['hm'], '.1f')}   repair {_fmt(cd['repair'], '.1f', ' %')}"
+                f"   retention {_fmt(cd['retention'], '.1f', ' %')}"
+            )
         )
+        line = f"  unchanged {_fmt(cd['unchanged_mean_change'], '+.2f', ' pt')}"
         if doc["targets"]:
             line += f"   target retention {_fmt(cd['target_retention_mean'], '.1f', ' %')}"
         console.print(Text(line))
