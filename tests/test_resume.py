@@ -28,8 +28,14 @@ def make_slow_pair(root: Path, shards: int = 12, n: int = 800) -> tuple[Path, Pa
     for i in range(shards):
         b = torch.randn(n, n, generator=g) * 0.02
         base.append((f"model.layers.{i:02d}.mlp.up_proj.weight", b))
-        ft.append((f"model.layers.{i:02d}.mlp.up_proj.weight",
-                   b + torch.randn(n, n, generator=g) * 1e-3 + torch.randn(n, 1, generator=g) @ torch.randn(1, n, generator=g) * 3e-3))
+        ft.append(
+            (
+                f"model.layers.{i:02d}.mlp.up_proj.weight",
+                b
+                + torch.randn(n, n, generator=g) * 1e-3
+                + torch.randn(n, 1, generator=g) @ torch.randn(1, n, generator=g) * 3e-3,
+            )
+        )
         base.append((f"model.layers.{i:02d}.input_layernorm.weight", torch.ones(n)))
         ft.append((f"model.layers.{i:02d}.input_layernorm.weight", torch.ones(n) + 0.01))
     cfg = {"model_type": "llama"}
@@ -40,8 +46,13 @@ def make_slow_pair(root: Path, shards: int = 12, n: int = 800) -> tuple[Path, Pa
 
 def start(base: Path, ft: Path, out: Path) -> subprocess.Popen:
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
-    return subprocess.Popen([sys.executable, "-m", "dghard_cli", "repair", str(base), str(ft), str(out), "-q"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "dghard_cli", "repair", str(base), str(ft), str(out), "-q"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_shards(out: Path, proc: subprocess.Popen, k: int, timeout: float = 120) -> int:
@@ -127,7 +138,9 @@ def test_sigterm_is_an_interrupt_too(slow_pair, tmp_path):
 def test_resume_refuses_a_partial_output_of_another_command(tmp_path):
     from dghard_cli.synthetic import ArchConfig, make_pair
 
-    base, ft = make_pair(tmp_path, ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64))
+    base, ft = make_pair(
+        tmp_path, ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    )
     out = tmp_path / "out"
     stage = staging_dir(out)
     stage.mkdir()
@@ -144,17 +157,20 @@ def test_resume_refuses_a_partial_output_of_another_command(tmp_path):
 def test_a_corrupted_journaled_shard_is_recomputed(tmp_path):
     from dghard_cli.synthetic import ArchConfig, make_pair
 
-    base, ft = make_pair(tmp_path, ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64),
-                         ft_shards=3)
+    base, ft = make_pair(
+        tmp_path,
+        ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64),
+        ft_shards=3,
+    )
     ref = tmp_path / "ref"
     repair(base, ft, ref)
     out = tmp_path / "out"
     # simulate an interrupted run: journal two shards, one of which was damaged on disk
-    from dghard_cli.runner import fingerprint
+    from dghard_cli.output import file_sha256
     from dghard_cli.plan import PolicyOptions, build_plan
     from dghard_cli.repair import repair_parameters
+    from dghard_cli.runner import fingerprint
     from dghard_cli.sources import open_checkpoint
-    from dghard_cli.output import file_sha256
 
     b, f = open_checkpoint(str(base)), open_checkpoint(str(ft))
     plan = build_plan(b, [f], PolicyOptions())
@@ -166,7 +182,11 @@ def test_a_corrupted_journaled_shard_is_recomputed(tmp_path):
     for shard in sorted(p.name for p in ref.glob("*.safetensors"))[:2]:
         data = (ref / shard).read_bytes()
         recs = [r for r in ref_report["tensors"] if r["shard"] == shard]
-        lines.append(json.dumps({"name": shard, "size": len(data), "sha256": file_sha256(ref / shard), "tensors": recs}))
+        lines.append(
+            json.dumps(
+                {"name": shard, "size": len(data), "sha256": file_sha256(ref / shard), "tensors": recs}
+            )
+        )
         (stage / shard).write_bytes(data)
     damaged = sorted(p.name for p in ref.glob("*.safetensors"))[1]
     raw = bytearray((stage / damaged).read_bytes())

@@ -1,0 +1,78 @@
+"""``dghard inspect``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from ..cli_common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from ..inspect import InspectOptions, inspect_pair, parse_matrices, render
+from ..plan import PolicyOptions
+from ..spectral import ShrinkSpec
+
+INSPECT_EPILOG = """
+**Examples**
+
+    dghard inspect examples/tiny/base examples/tiny/ft
+
+    dghard inspect BASE FT --plot plots/ --html inspect.html          # needs dghard[plot]
+
+    dghard inspect BASE FT --include 'mlp' --matrices 'layers\\.0\\.' --json > spectra.json
+
+    dghard inspect BASE FT --matrices 8 --plot plots/     # spectra of the 8 largest updates
+"""
+
+
+@app.command("inspect", epilog=INSPECT_EPILOG)
+def inspect_cmd(
+    base: Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")],
+    ft: Annotated[str, typer.Argument(help="Fine-tuned checkpoint: a directory or a Hub id.")],
+    include: Annotated[
+        Optional[list[str]], typer.Option(help="Only tensors whose name matches this regex (repeatable).")
+    ] = None,
+    exclude: Annotated[
+        Optional[list[str]], typer.Option(help="Skip tensors whose name matches this regex (repeatable).")
+    ] = None,
+    min_numel: Annotated[int, typer.Option(help="Smaller matrices are not analysed (as in repair).")] = 1024,
+    scale: Annotated[float, typer.Option(help="Multiplies the threshold τ (1.0 = Gavish–Donoho).")] = 1.0,
+    matrices: Annotated[
+        Optional[str],
+        typer.Option(
+            help="Matrices whose full spectrum is kept and plotted: a regex, or N = the N largest updates (default 4 with --plot/--html)."
+        ),
+    ] = None,
+    plot: Annotated[
+        Optional[Path], typer.Option("--plot", help="Write PNG spectra and heat maps to this directory.")
+    ] = None,
+    html: Annotated[
+        Optional[Path], typer.Option("--html", help="Write one self-contained HTML page to this file.")
+    ] = None,
+    revision: Annotated[Optional[str], typer.Option(help="Hub revision of FT.")] = None,
+    base_revision: Annotated[Optional[str], typer.Option(help="Hub revision of BASE.")] = None,
+    device: DeviceOpt = "auto",
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Spectrum of every weight delta FT − BASE (MP fit, τ, spikes, energy kept), no model written."""
+
+    def body() -> dict:
+        opts = InspectOptions(
+            spec=ShrinkSpec(scale=scale),
+            policy=PolicyOptions(min_numel=min_numel, include=include or [], exclude=exclude or []),
+            device=device,
+            matrices=parse_matrices(matrices),
+            plot_dir=plot,
+            html=html,
+            base_revision=base_revision,
+            ft_revision=revision,
+            quiet=quiet or json_out,
+            argv=["dghard", *sys.argv[1:]],
+        )
+        return inspect_pair(base, ft, opts)
+
+    doc = run_cli(body, verbose=verbose)
+    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render(c, doc))
