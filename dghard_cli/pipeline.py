@@ -61,9 +61,13 @@ class ByteBudget:
 class Sources:
     """A job's inputs: whole tensors (prefetched, or read now) or row blocks read on demand."""
 
-    def __init__(self, job: TensorJob, raw: dict[str, torch.Tensor] | None) -> None:
+    def __init__(
+        self, job: TensorJob, raw: dict[str, torch.Tensor] | None, *, allow_nonfinite: bool = False
+    ) -> None:
         self.job = job
         self._raw = raw or {}
+        #: NaN/Inf in an input: pass the fine-tune's value through (reported) instead of failing.
+        self.allow_nonfinite = allow_nonfinite
 
     def _get(self, key: str, info: TensorInfo, rows: tuple[int, int] | None) -> torch.Tensor:
         raw = self._raw.get(key)
@@ -114,6 +118,7 @@ class EngineOptions:
     prefetch_bytes: int = 256 * 1024 * 1024  # inputs read ahead (the current job's included)
     write_bytes: int = 64 * 1024 * 1024  # outputs queued for the writer
     stream_bytes: int = 256 * 1024 * 1024  # jobs with more input than this are read in blocks
+    allow_nonfinite: bool = False  # NaN/Inf in an input tensor: pass FT's value through, reported
 
 
 class _Prefetcher(threading.Thread):
@@ -333,17 +338,21 @@ def passthrough(
         if is_float:
             t = info.decode(raw, rows)
             if not bool(torch.isfinite(t).all()):
-                which = "BASE" if key == "base" else "the fine-tune"
-                raise InputError(
-                    f"tensor {job.name!r} in {which} ({info.file}) contains NaN or Inf; fix the checkpoint"
-                )
+                if not src.allow_nonfinite:
+                    which = "BASE" if key == "base" else "the fine-tune"
+                    raise InputError(
+                        f"tensor {job.name!r} in {which} ({info.file}) contains NaN or Inf; fix the "
+                        "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
+                    )
+                rec["nonfinite"] = True
+                comparable = False
             if comparable:
                 d = t.to(torch.float64) - src.base(rows).to(torch.float64)
                 sumsq += float(torch.sum(d * d))
             yield raw if info.dtype == job.out_dtype else cast_out(t, job.out_dtype)
         else:
             yield raw
-    if comparable:
+    if comparable and not rec.get("nonfinite"):
         rec["delta_norm"] = sumsq**0.5
 
 
@@ -388,7 +397,7 @@ def execute(
                 job, raw, held = pre.next()
                 t0 = time.perf_counter()
                 rec = base_record(job)
-                src = Sources(job, raw)
+                src = Sources(job, raw, allow_nonfinite=opts.allow_nonfinite)
                 if job.action == "tied":
                     assert job.tied_to is not None
                     writer.sync()

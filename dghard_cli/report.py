@@ -83,6 +83,13 @@ def summarize(records: list[dict], *, spectral: bool = True) -> dict:
             "bulk_found_tensors": len(bulk),
         }
     )
+    nonfinite = [r for r in records if r.get("nonfinite")]
+    if nonfinite:
+        summary["nonfinite_tensors"] = len(nonfinite)
+        summary["warnings"].append(
+            f"{len(nonfinite)} tensors hold non-finite values (NaN/Inf) in the inputs and were passed "
+            f"through from the fine-tune unchanged (--allow-nonfinite), e.g. {nonfinite[0]['name']}"
+        )
     if low_rank:
         summary["warnings"].append(
             f"{len(low_rank)} matrices are exact low-rank updates over storage rounding noise "

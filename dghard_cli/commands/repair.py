@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.text import Text
 
 from ..cli_common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from ..pipeline import EngineOptions
 from ..plan import PolicyOptions, parse_size
 from ..repair import RepairOptions, repair
 from ..runner import RunOptions
@@ -119,6 +120,13 @@ def repair_cmd(
         ),
     ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    allow_nonfinite: Annotated[
+        bool,
+        typer.Option(
+            "--allow-nonfinite",
+            help="Tensors holding NaN/Inf keep the fine-tune's value (reported) instead of being an error.",
+        ),
+    ] = False,
     allow_missing: Annotated[
         bool,
         typer.Option(
@@ -153,6 +161,7 @@ def repair_cmd(
                 report_path=report,
                 quiet=quiet or json_out,
                 argv=["dghard", *sys.argv[1:]],
+                engine=EngineOptions(allow_nonfinite=allow_nonfinite),
             ),
             base_revision=base_revision,
             ft_revision=revision,

@@ -34,6 +34,10 @@ from ..spectral import (
 )
 
 
+class NonFiniteDelta(InputError):
+    """An input tensor holds NaN/Inf (or its delta overflows)."""
+
+
 @dataclass
 class DeltaSpectrum:
     """Pass 1 over a job's delta: its spectrum (None when Δ = 0) and ‖W_ft‖ statistics."""
@@ -88,8 +92,9 @@ def delta_spectrum(
             x = x.T
         g.addmm_(x.T, x)
     if not bool(torch.isfinite(g).all()) or not bool(torch.isfinite(sumsq_ft)):
-        raise InputError(
-            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the checkpoint"
+        raise NonFiniteDelta(
+            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the "
+            "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
         )
     fro2 = float(torch.trace(g))
     rms_ft = math.sqrt(float(sumsq_ft) / (rows * cols))
@@ -107,7 +112,14 @@ class SpectralFilterOp:
 
     def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
         dev = self.device
-        ds = delta_spectrum(job, src, dev, self.block_bytes)
+        try:
+            ds = delta_spectrum(job, src, dev, self.block_bytes)
+        except NonFiniteDelta:
+            if not src.allow_nonfinite:
+                raise
+            rec["action"], rec["reason"], rec["nonfinite"] = "kept-ft", "nonfinite", True
+            yield from passthrough(job, src, rec)
+            return
         rows, cols = ds.shape
         tall = rows >= cols
         rec["delta_norm"] = math.sqrt(max(ds.fro2, 0.0))
