@@ -124,13 +124,26 @@ def gram_accumulate(blocks: Iterable[torch.Tensor], m_small: int, device: torch.
     return g
 
 
+#: Eigenvalues of the float64 Gram matrix below ``GRAM_FLOOR * M * eps * λ_max`` are rounding
+#: error of its formation and eigendecomposition, not singular values: they are set to zero.
+GRAM_FLOOR = 4.0
+
+
 def spectrum_from_gram(g: torch.Tensor, shape: tuple[int, int]) -> Spectrum:
-    """Eigendecomposition of the Gram matrix: σ descending, vectors to match."""
+    """Eigendecomposition of the Gram matrix: σ descending, vectors to match.
+
+    Singular values below the route's resolution (``sqrt(4 M eps) σ_max``, about 1e-6 σ_max
+    for M = 4096) are exact zeros: an exactly rank-deficient delta then has a well-defined
+    numerical rank, the same whatever rotation of it is given.
+    """
     g = 0.5 * (g + g.T)  # exact symmetry for the eigensolver
     evals, evecs = torch.linalg.eigh(g)
     evals = evals.flip(0)
     evecs = evecs.flip(1)
-    sig = torch.sqrt(torch.clamp(evals, min=0.0)).cpu().numpy().astype(np.float64)
+    lam = evals.cpu().numpy().astype(np.float64)
+    floor = GRAM_FLOOR * g.shape[0] * np.finfo(np.float64).eps * max(float(lam[0]) if lam.size else 0.0, 0.0)
+    lam[lam <= floor] = 0.0
+    sig = np.sqrt(lam)
     fro2 = float(torch.trace(g))
     return Spectrum(shape=shape, sigma=sig, vectors=evecs, fro2=fro2)
 
@@ -239,6 +252,7 @@ def filter_spectrum(
         "sigma_max": float(sigma[0]) if sigma.size else 0.0,
         "rank_kept": rank_kept,
         "spikes": spikes,
+        "numerical_rank": int(np.count_nonzero(sigma > 0)),
         "energy_kept": energy_kept,
         "mp_edge": edge,
         "share_above_mp_edge": share_above_edge,

@@ -1,15 +1,19 @@
-"""Checking a written model directory: headers, index, expected tensors, finite values."""
+"""Checking a written model directory: headers, index, expected tensors, hashes, finite values."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
 from .checkpoint import Checkpoint
 from .errors import InputError
+from .output import file_sha256
 from .pipeline import row_ranges
 from .safetensors_format import FLOAT_DTYPES
+
+REPORT_NAME = "dghard_report.json"
 
 
 def verify_dir(
@@ -17,17 +21,32 @@ def verify_dir(
     *,
     expected: dict[str, tuple[str, tuple[int, ...]]] | None = None,
     deep: bool = False,
+    use_report: bool = False,
 ) -> dict:
     """Verify a model directory; raises InputError naming the first problem.
 
     Always: every shard header parses and is consistent (offsets cover the data exactly), the
     index lists every tensor once and in the shard that holds it, and (when given) the tensor
-    set, dtypes and shapes are the expected ones. ``deep``: every floating tensor is read and
-    checked for NaN/Inf, and each shard is opened with the reference ``safetensors`` library.
+    set, dtypes and shapes are the expected ones. ``use_report``: the same against the
+    ``dghard_report.json`` in the directory, plus each shard's size and sha256 as recorded when
+    it was written. ``deep``: every floating tensor is read and checked for NaN/Inf, and each
+    shard is opened with the reference ``safetensors`` library.
     """
-    ckpt = Checkpoint(Path(path), label="output")
+    path = Path(path)
+    ckpt = Checkpoint(path, label="output")
+    checks = ["headers", "index"]
     try:
+        files: list[dict] = []
+        if use_report and (path / REPORT_NAME).exists():
+            try:
+                report = json.loads((path / REPORT_NAME).read_text(encoding="utf-8"))
+                recs = report["tensors"]
+                files = list((report.get("output") or {}).get("files") or [])
+                expected = expected or {r["name"]: (r["dtype"], tuple(r["shape"])) for r in recs}
+            except (ValueError, KeyError, TypeError) as exc:
+                raise InputError(f"{path / REPORT_NAME}: unreadable report ({exc})") from None
         if expected is not None:
+            checks.append("tensor set, dtypes and shapes")
             missing = [n for n in expected if n not in ckpt.tensors]
             extra = [n for n in ckpt.tensors if n not in expected]
             if missing or extra:
@@ -39,12 +58,22 @@ def verify_dir(
                     raise InputError(
                         f"{path}: tensor {n!r} is {t.dtype}{list(t.shape)}, expected {dtype}{list(shape)}"
                     )
-        nonfinite = 0
+        if files:
+            checks.append("shard sizes and sha256")
+            for f in files:
+                p = path / f["name"]
+                if not p.exists():
+                    raise InputError(f"{p}: shard recorded in the report is missing")
+                if p.stat().st_size != f["size"]:
+                    raise InputError(f"{p}: size {p.stat().st_size} differs from the recorded {f['size']}")
+                if deep and file_sha256(p) != f["sha256"]:
+                    raise InputError(f"{p}: sha256 differs from the one recorded when it was written")
         if deep:
+            checks += ["safetensors library", "finite values"]
             from safetensors import safe_open
 
             for shard in ckpt.shards:
-                with safe_open(str(Path(path) / shard), framework="pt") as fh:
+                with safe_open(str(path / shard), framework="pt") as fh:
                     keys = set(fh.keys())
                 held = {n for n, t in ckpt.tensors.items() if t.shard == shard}
                 if keys != held:
@@ -57,12 +86,12 @@ def verify_dir(
                         raise InputError(f"{path}: tensor {name!r} contains NaN or Inf")
         return {
             "path": str(path),
+            "ok": True,
             "shards": len(ckpt.shards),
             "tensors": len(ckpt.tensors),
             "bytes": ckpt.total_bytes,
             "index": ckpt.index_file is not None,
-            "deep": deep,
-            "nonfinite_tensors": nonfinite,
+            "checks": checks,
         }
     finally:
         ckpt.close()

@@ -196,3 +196,42 @@ def test_a_corrupted_journaled_shard_is_recomputed(tmp_path):
     report = repair(base, ft, out)
     assert damaged not in report["output"]["resumed_shards"] and len(report["output"]["resumed_shards"]) == 1
     assert shard_bytes(out) == shard_bytes(ref)
+
+
+def test_verify_command_rechecks_a_written_directory(tmp_path):
+    from typer.testing import CliRunner
+
+    from dghard_cli.cli import app
+    from dghard_cli.synthetic import ArchConfig, make_pair
+
+    base, ft = make_pair(
+        tmp_path,
+        ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64),
+        ft_shards=2,
+    )
+    out = tmp_path / "out"
+    report = repair(base, ft, out)
+    files = report["output"]["files"]
+    assert len(files) == 2 and all(len(f["sha256"]) == 64 for f in files)
+    r = CliRunner().invoke(app, ["verify", str(out), "--json"])
+    assert r.exit_code == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["ok"] and "shard sizes and sha256" in doc["checks"] and "finite values" in doc["checks"]
+    # flip one byte inside a tensor's data: sizes still match, the hash does not
+    victim = out / files[1]["name"]
+    raw = bytearray(victim.read_bytes())
+    raw[-3] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    r = CliRunner().invoke(app, ["verify", str(out)])
+    assert r.exit_code == 1 and "sha256" in r.stderr
+    assert CliRunner().invoke(app, ["verify", str(out), "--quick"]).exit_code == 0
+    # a NaN written into the data: found by the scan even without a report
+    (out / "dghard_report.json").unlink()
+    import struct
+
+    n = struct.unpack("<Q", raw[:8])[0]
+    raw[8 + n : 8 + n + 4] = struct.pack("<f", float("nan"))
+    victim.write_bytes(bytes(raw))
+    r = CliRunner().invoke(app, ["verify", str(out)])
+    assert r.exit_code == 1 and "NaN" in r.stderr
+    assert CliRunner().invoke(app, ["verify", str(tmp_path / "nope")]).exit_code == 2
