@@ -1,0 +1,339 @@
+#!/usr/bin/env python3
+"""Fuzz dghard's input handling: mutated checkpoints, indexes, configs, adapters and recipes.
+
+Each case copies a small valid input, mutates it (random byte flips, truncations, header and
+JSON edits, hostile values) and runs a library entry point on it. The only acceptable outcomes
+are success or a ``DGHardError`` (the CLI's one-line exit-2/3 message); any other exception is
+a bug, printed with the case's seed so it can be replayed with ``--seed S --cases 1``.
+
+    python scripts/fuzz_inputs.py --cases 2000          # a long pass
+    python scripts/fuzz_inputs.py --cases 200 --seed 7  # what the test suite runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import struct
+import sys
+import tempfile
+import time
+import traceback
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from dghard_cli.errors import DGHardError  # noqa: E402
+from dghard_cli.synthetic import ArchConfig, make_pair  # noqa: E402
+
+CFG = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=40)
+
+HOSTILE_VALUES = [
+    None,
+    True,
+    -1,
+    0,
+    2**63,
+    2**64 + 7,
+    1e308,
+    -0.0,
+    "",
+    "x" * 300,
+    "../../etc/passwd",
+    "/etc/passwd",
+    [],
+    {},
+    [1, 2, 3],
+    [-5, 3],
+    [0, 2**62],
+    {"a": 1},
+    "F32",
+    "BF16",
+    "F7",
+    [2**40, 2**40],
+    "\x00",
+]
+
+
+def _flip_bytes(rng: random.Random, path: Path, region: str) -> None:
+    data = bytearray(path.read_bytes())
+    if len(data) < 9:
+        return
+    n = struct.unpack("<Q", data[:8])[0]
+    lo, hi = {
+        "prefix": (0, 8),
+        "header": (8, min(len(data), 8 + n)),
+        "data": (min(len(data), 8 + n), len(data)),
+    }[region]
+    if hi <= lo:
+        return
+    for _ in range(rng.randint(1, 8)):
+        i = rng.randrange(lo, hi)
+        data[i] = rng.randrange(256)
+    path.write_bytes(bytes(data))
+
+
+def _truncate(rng: random.Random, path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: rng.randrange(0, max(1, len(data)))])
+
+
+def _edit_header(rng: random.Random, path: Path) -> None:
+    data = path.read_bytes()
+    n = struct.unpack("<Q", data[:8])[0]
+    try:
+        head = json.loads(data[8 : 8 + n])
+    except ValueError:
+        return
+    body = data[8 + n :]
+    names = [k for k in head if k != "__metadata__"]
+    choice = rng.randrange(6)
+    if choice == 0 and names:  # a field of a tensor entry
+        name = rng.choice(names)
+        head[name][rng.choice(["dtype", "shape", "data_offsets"])] = rng.choice(HOSTILE_VALUES)
+    elif choice == 1 and names:  # duplicate a tensor under another name
+        name = rng.choice(names)
+        head[name + ".dup"] = dict(head[name])
+    elif choice == 2:
+        head["__metadata__"] = rng.choice(HOSTILE_VALUES)
+    elif choice == 3 and names:
+        del head[rng.choice(names)]
+    elif choice == 4:  # shift every offset
+        k = rng.choice([-8, -1, 1, 4, 1 << 20])
+        for name in names:
+            if isinstance(head[name].get("data_offsets"), list):
+                head[name]["data_offsets"] = [
+                    o + k if isinstance(o, int) else o for o in head[name]["data_offsets"]
+                ]
+    else:  # lie about the header length
+        raw = json.dumps(head).encode()
+        path.write_bytes(struct.pack("<Q", rng.choice([0, 1, len(raw) + 1, 2**40, 2**64 - 1])) + raw + body)
+        return
+    raw = json.dumps(head).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + body)
+
+
+def _edit_json(rng: random.Random, path: Path) -> None:
+    if not path.exists():
+        return
+    text = path.read_text()
+    choice = rng.randrange(5)
+    if choice == 0:
+        path.write_text(text[: rng.randrange(0, max(1, len(text)))])
+        return
+    if choice == 1:
+        path.write_bytes(bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64))))
+        return
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return
+    if choice == 2 and isinstance(doc, dict):
+        key = rng.choice(list(doc) or ["x"])
+        doc[key] = rng.choice(HOSTILE_VALUES)
+    elif (
+        choice == 3
+        and isinstance(doc, dict)
+        and isinstance(doc.get("weight_map"), dict)
+        and doc["weight_map"]
+    ):
+        wm = doc["weight_map"]
+        key = rng.choice(list(wm))
+        wm[key] = rng.choice(
+            ["../x.safetensors", "/etc/passwd", "", "nope.safetensors", 3, None, "a/b.safetensors"]
+        )
+    else:
+        doc = rng.choice(HOSTILE_VALUES)
+    path.write_text(json.dumps(doc))
+
+
+def mutate_checkpoint(rng: random.Random, root: Path) -> str:
+    ft = root / "ft"
+    shards = sorted(ft.glob("*.safetensors"))
+    target = rng.choice(shards)
+    kind = rng.choice(
+        [
+            "flip-prefix",
+            "flip-header",
+            "flip-data",
+            "truncate",
+            "edit-header",
+            "edit-header",
+            "index",
+            "config",
+            "symlink",
+            "empty-shard",
+        ]
+    )
+    if kind.startswith("flip-"):
+        _flip_bytes(rng, target, kind[5:])
+    elif kind == "truncate":
+        _truncate(rng, target)
+    elif kind == "edit-header":
+        _edit_header(rng, target)
+    elif kind == "index":
+        _edit_json(rng, ft / "model.safetensors.index.json")
+    elif kind == "config":
+        _edit_json(rng, ft / "config.json")
+    elif kind == "symlink":
+        outside = root / "outside.safetensors"
+        shutil.move(target, outside)
+        target.symlink_to(outside)
+    else:
+        target.write_bytes(b"")
+    return kind
+
+
+def run_repair(root: Path) -> None:
+    from dghard_cli import repair
+
+    repair(root / "base", root / "ft", root / "out")
+
+
+# -- optional targets: adapters and recipes, when those commands are present --------------
+
+
+def _adapter_target():
+    try:
+        from dghard_cli import audit
+    except ImportError:
+        return None
+    make = getattr(audit, "example_adapter", None)
+    run = getattr(audit, "audit_lora", None)
+    if make is None or run is None:
+        return None
+
+    def prepare(root: Path) -> None:
+        make(root / "adapter")
+
+    def mutate(rng: random.Random, root: Path) -> str:
+        ad = root / "adapter"
+        kind = rng.choice(["config", "flip-header", "truncate", "edit-header", "flip-data"])
+        st = next(ad.glob("*.safetensors"))
+        if kind == "config":
+            _edit_json(rng, ad / "adapter_config.json")
+        elif kind == "truncate":
+            _truncate(rng, st)
+        elif kind == "edit-header":
+            _edit_header(rng, st)
+        else:
+            _flip_bytes(rng, st, kind[5:])
+        return "adapter-" + kind
+
+    def execute(root: Path) -> None:
+        run(str(root / "adapter"))
+
+    return prepare, mutate, execute
+
+
+def _recipe_target():
+    try:
+        from dghard_cli import merge
+    except ImportError:
+        return None
+    load = getattr(merge, "load_recipe", None)
+    if load is None:
+        return None
+
+    def prepare(root: Path) -> None:
+        (root / "recipe.yaml").write_text(
+            "method: ties\nbase: base\nmodels:\n  - ft\n  - ft\nweights: [1.0, 0.5]\ndensity: 0.3\nout: merged\n"
+        )
+
+    def mutate(rng: random.Random, root: Path) -> str:
+        p = root / "recipe.yaml"
+        text = p.read_text()
+        kind = rng.choice(["truncate", "tag", "garbage", "value", "anchor"])
+        if kind == "truncate":
+            text = text[: rng.randrange(0, len(text))]
+        elif kind == "tag":
+            text += rng.choice(
+                [
+                    "evil: !!python/object/apply:os.system ['echo pwned']\n",
+                    "x: !!python/name:os.system\n",
+                    "y: !custom 3\n",
+                ]
+            )
+        elif kind == "garbage":
+            text = "".join(chr(rng.randrange(1, 255)) for _ in range(rng.randrange(1, 80)))
+        elif kind == "value":
+            key = rng.choice(["method", "base", "models", "weights", "density", "out", "lambda", "seed"])
+            text += f"{key}: {json.dumps(rng.choice(HOSTILE_VALUES))}\n"
+        else:
+            text = "a: &a [*a, *a]\n" + text
+        p.write_text(text)
+        return "recipe-" + kind
+
+    def execute(root: Path) -> None:
+        load(root / "recipe.yaml")
+
+    return prepare, mutate, execute
+
+
+def fuzz(cases: int, seed: int, *, verbose: bool = False) -> dict:
+    """Run ``cases`` mutated inputs; returns counts (``unexpected`` must be 0)."""
+    rng_master = random.Random(seed)
+    targets: list[tuple[str, Callable, Callable, Callable]] = [
+        ("checkpoint", lambda root: None, mutate_checkpoint, run_repair)
+    ]
+    for name, factory in (("adapter", _adapter_target), ("recipe", _recipe_target)):
+        t = factory()
+        if t is not None:
+            targets.append((name, *t))
+    outcomes: Counter = Counter()
+    failures: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="dghard-fuzz-") as tmp:
+        template = Path(tmp) / "template"
+        make_pair(template, CFG, dtype="float32", base_shards=1, ft_shards=2, seed=0)
+        for _, prepare, _, _ in targets:
+            prepare(template)
+        for i in range(cases):
+            case_seed = rng_master.randrange(2**32)
+            rng = random.Random(case_seed)
+            name, _, mutate, execute = targets[i % len(targets)]
+            root = Path(tmp) / f"case{i}"
+            shutil.copytree(template, root, symlinks=True)
+            kind = mutate(rng, root)
+            try:
+                execute(root)
+                outcomes[f"{name}: ok"] += 1
+            except DGHardError as exc:
+                outcomes[f"{name}: {type(exc).__name__}"] += 1
+                if "\n" in str(exc):
+                    failures.append(f"case {i} seed {case_seed} ({kind}): multi-line message: {exc!r}")
+            except Exception as exc:  # noqa: BLE001 - this is what we hunt for
+                failures.append(f"case {i} seed {case_seed} ({kind}): {type(exc).__name__}: {exc}")
+                if verbose:
+                    traceback.print_exc()
+            shutil.rmtree(root, ignore_errors=True)
+    return {
+        "cases": cases,
+        "targets": [t[0] for t in targets],
+        "outcomes": dict(outcomes),
+        "unexpected": len(failures),
+        "failures": failures,
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=int, default=2000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args()
+    t0 = time.time()
+    res = fuzz(args.cases, args.seed, verbose=args.verbose)
+    for line in res["failures"]:
+        print("UNEXPECTED", line)
+    print(json.dumps({k: v for k, v in res.items() if k != "failures"}, indent=2))
+    print(f"{res['cases']} cases in {time.time() - t0:.0f} s, {res['unexpected']} unexpected exceptions")
+    sys.exit(1 if res["unexpected"] else 0)
+
+
+if __name__ == "__main__":
+    main()
