@@ -14,7 +14,7 @@ from .methods.dg_hard import SpectralFilterOp
 from .plan import PolicyOptions, build_plan
 from .runner import RunOptions, write_model
 from .sources import open_checkpoint
-from .spectral import ROUTE, ShrinkSpec
+from .spectral import ShrinkSpec
 
 
 @dataclass
@@ -25,6 +25,7 @@ class RepairOptions:
     base_revision: str | None = None
     ft_revision: str | None = None
     block_bytes: int = 32 * 1024 * 1024
+    route: str = "auto"  # auto | gram64 | qr32 (see spectral.choose_route)
 
 
 def repair_parameters(opts: RepairOptions) -> dict:
@@ -38,7 +39,7 @@ def repair_parameters(opts: RepairOptions) -> dict:
             "allow_missing": pol.allow_missing,
             "dtype": pol.out_dtype,
             "shard_size": pol.shard_size,
-            "route": ROUTE,
+            "route": opts.route,
         }
     )
     return p
@@ -65,7 +66,7 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             fts=[ft_ck],
             out=Path(out),
             plan=plan,
-            make_op=lambda device: SpectralFilterOp(opts.spec, device, opts.block_bytes),
+            make_op=lambda device: SpectralFilterOp(opts.spec, device, opts.block_bytes, opts.route),
             run=opts.run,
             timings=timings,
         )

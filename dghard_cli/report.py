@@ -73,6 +73,9 @@ def summarize(records: list[dict], *, spectral: bool = True) -> dict:
     kept = sum((r.get("delta_norm") or 0.0) ** 2 * r["energy_kept"] for r in method)
     energy = kept / total if total > 0 else None
     ranks = [r["rank_kept"] for r in method]
+    routes: dict[str, int] = {}
+    for r in method:
+        routes[r.get("route", "")] = routes.get(r.get("route", ""), 0) + 1
     bulk = [r for r in method if has_bulk(r)]
     summary.update(
         {
@@ -81,6 +84,7 @@ def summarize(records: list[dict], *, spectral: bool = True) -> dict:
             "rank_kept_max": max(ranks) if ranks else None,
             "rank_zero_tensors": sum(1 for r in ranks if r == 0),
             "bulk_found_tensors": len(bulk),
+            "routes": routes,
         }
     )
     nonfinite = [r for r in records if r.get("nonfinite")]

@@ -38,6 +38,11 @@ from .safetensors_format import UNIT_ROUNDOFF
 SHRINKERS = ("hard", "soft", "optimal", "twoknob")
 NOISE_RULES = ("median", "known")
 ROUTE = "gram-eigh-float64"
+ROUTE_QR32 = "qr-float32+eigh-float64"
+#: ``--route`` values: the float64 Gram route, the float32 QR route, or the device's best.
+ROUTES = ("auto", "gram64", "qr32")
+#: CUDA compute capabilities with full-rate float64 (data-centre parts); others are ~1/32-1/64.
+FAST_FP64_CAPABILITIES = {(6, 0), (7, 0), (8, 0), (9, 0), (10, 0)}
 
 #: Per-entry std of round-to-nearest error, as a multiple of unit roundoff x rms(value),
 #: for values spread over many binades (uniform error in ±ulp/2, ulp/|w| log-uniform).
@@ -146,6 +151,61 @@ def spectrum_from_gram(g: torch.Tensor, shape: tuple[int, int]) -> Spectrum:
     sig = np.sqrt(lam)
     fro2 = float(torch.trace(g))
     return Spectrum(shape=shape, sigma=sig, vectors=evecs, fro2=fro2)
+
+
+def choose_route(device: torch.device, requested: str = "auto") -> str:
+    """``gram64`` (float64 Gram) everywhere float64 is fast; ``qr32`` on GPUs where it is not."""
+    if requested not in ROUTES:
+        raise InputError(f"--route {requested!r} is not one of {', '.join(ROUTES)}")
+    if requested != "auto":
+        return requested
+    if (
+        device.type == "cuda"
+        and tuple(torch.cuda.get_device_capability(device)) not in FAST_FP64_CAPABILITIES
+    ):
+        return "qr32"
+    return "gram64"
+
+
+def spectrum_from_r(
+    r: torch.Tensor, shape: tuple[int, int], fro2: float, eigh_device: torch.device, out_device: torch.device
+) -> tuple[Spectrum, float]:
+    """Spectrum from the float32 R factor: float64 eigendecomposition of RᵀR.
+
+    Returns the spectrum and the absolute error bound of its singular values used to check
+    threshold decisions (see :func:`qr_decision_is_safe`).
+    """
+    m_small = r.shape[1]
+    r64 = r.to(device=eigh_device, dtype=torch.float64)
+    if r64.shape[0] < m_small:  # fewer rows than columns only for a tall form with N < M (not reached)
+        r64 = torch.cat([r64, r64.new_zeros((m_small - r64.shape[0], m_small))], dim=0)
+    spec = spectrum_from_gram(r64.T @ r64, shape)
+    spec.vectors = spec.vectors.to(out_device)
+    spec.fro2 = fro2
+    sigma_max = float(spec.sigma[0]) if spec.sigma.size else 0.0
+    bound = QR32_ERROR_FACTOR * math.sqrt(m_small) * 2.0**-24 * sigma_max
+    return spec, bound
+
+
+#: Singular values of the float32 QR route are trusted to ``QR32_ERROR_FACTOR·sqrt(M)·u32·σ_max``
+#: (Householder QR backward error, with a safety factor; measured errors sit well below it).
+QR32_ERROR_FACTOR = 8.0
+
+
+def qr_decision_is_safe(
+    sigma: np.ndarray, tau: float, bound: float, spec: ShrinkSpec, shape: tuple[int, int]
+) -> bool:
+    """True when no singular value is within the float32 route's error of the threshold.
+
+    The threshold itself moves with the median (unknown noise: by at most ω·bound), so a
+    component is decided safely when ``|σ_i − τ| > bound·(1 + ω·scale)``. Soft and optimal
+    shrinkers are continuous in σ; their decision is the hard one at the same τ.
+    """
+    if sigma.size == 0 or bound == 0.0:
+        return True
+    big, small = max(shape), min(shape)
+    slack = bound * (1.0 + (omega(small / big) * spec.scale if spec.noise == "median" else 0.0))
+    return bool(np.min(np.abs(sigma - tau)) > slack)
 
 
 def tall_rows(x: torch.Tensor, rows_per_block: int) -> Iterable[torch.Tensor]:

@@ -110,3 +110,69 @@ def test_lora_merged_in_float32_is_detected_as_low_rank():
 def test_bad_specs_are_input_errors(kwargs):
     with pytest.raises(InputError):
         ShrinkSpec(**kwargs)
+
+
+def _job_and_sources(delta: np.ndarray, base: np.ndarray | None = None):
+    """A one-matrix job whose inputs live in memory (for the per-tensor routes)."""
+    from dghard_cli.pipeline import Sources
+    from dghard_cli.plan import TensorJob
+
+    b = base if base is not None else np.zeros_like(delta)
+    f = b + delta
+
+    class Info:
+        def __init__(self, t):
+            self.t = torch.from_numpy(t.astype(np.float32))
+            self.dtype, self.shape, self.name = "F32", tuple(t.shape), "w"
+
+        def decode(self, raw, rows=None):
+            return self.t if rows is None else self.t[rows[0] : rows[1]]
+
+        def read(self, rows=None):
+            return self.decode(None, rows)
+
+    job = TensorJob("w", "method", None, tuple(delta.shape), "F32", base=Info(b), fts=[Info(f)])
+    return job, Sources(job, None)
+
+
+@pytest.mark.parametrize("shape", [(600, 200), (200, 600), (300, 300)])
+def test_float32_qr_route_matches_the_float64_reference(shape):
+    from dghard_cli.methods.dg_hard import SpectralFilterOp
+
+    for seed in range(4):
+        d = spiked(*shape, strengths=(9.0, 4.0, 1.5, 1.3), seed=seed).astype(np.float32).astype(np.float64)
+        ref, rank, tau = ref_filter(d)
+        job, src = _job_and_sources(d)
+        op = SpectralFilterOp(ShrinkSpec(), torch.device("cpu"), block_bytes=64 * 200 * 8, route="qr32")
+        ds, filt = op.spectrum(job, src)
+        assert filt.stats["rank_kept"] == rank
+        assert abs(filt.tau - tau) <= 1e-6 * tau
+        from dghard_cli.spectral import Projector
+
+        proj = Projector.from_weights(ds.spectrum, filt.weights)
+        x = torch.from_numpy(d if shape[0] >= shape[1] else d.T)
+        out = proj.apply(x.clone()).numpy()
+        out = out if shape[0] >= shape[1] else out.T
+        assert rel(out, ref) < 1e-6, rel(out, ref)
+        s = np.linalg.svd(d, compute_uv=False)
+        assert np.max(np.abs(ds.spectrum.sigma - s)) <= ds.sigma_bound
+
+
+def test_float32_qr_route_falls_back_to_float64_when_the_cut_is_ambiguous():
+    from dghard_cli.methods.dg_hard import SpectralFilterOp
+    from dghard_cli.spectral import omega
+
+    rng = np.random.default_rng(0)
+    m, n = 400, 200
+    u = np.linalg.qr(rng.normal(size=(m, n)))[0]
+    v = np.linalg.qr(rng.normal(size=(n, n)))[0]
+    s = np.sort(rng.uniform(0.5, 1.5, size=n))[::-1]
+    s[0] = omega(n / m) * np.median(s) * (1 + 1e-9)  # a spike a hair above τ
+    s = np.sort(s)[::-1]
+    d = (u * s) @ v.T
+    job, src = _job_and_sources(d)
+    ds, filt = SpectralFilterOp(ShrinkSpec(), torch.device("cpu"), route="qr32").spectrum(job, src)
+    assert "ambiguous" in ds.route
+    job, src = _job_and_sources(spiked(m, n))
+    ds, _ = SpectralFilterOp(ShrinkSpec(), torch.device("cpu"), route="qr32").spectrum(job, src)
+    assert ds.route.startswith("qr-float32")

@@ -135,6 +135,12 @@ def repair_cmd(
     ] = False,
     revision: Annotated[Optional[str], typer.Option(help="Hub revision of FT.")] = None,
     base_revision: Annotated[Optional[str], typer.Option(help="Hub revision of BASE.")] = None,
+    route: Annotated[
+        str,
+        typer.Option(
+            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto."
+        ),
+    ] = "auto",
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -165,6 +171,7 @@ def repair_cmd(
             ),
             base_revision=base_revision,
             ft_revision=revision,
+            route=route,
         )
         doc = repair(base, ft, out, opts)
         if dry_run:

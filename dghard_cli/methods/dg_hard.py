@@ -25,12 +25,17 @@ from ..plan import TensorJob
 from ..safetensors_format import torch_dtype
 from ..spectral import (
     ROUTE,
+    ROUTE_QR32,
+    Filtered,
     Projector,
     ShrinkSpec,
     Spectrum,
     block_rows,
+    choose_route,
     filter_spectrum,
+    qr_decision_is_safe,
     spectrum_from_gram,
+    spectrum_from_r,
 )
 
 
@@ -46,6 +51,8 @@ class DeltaSpectrum:
     fro2: float
     rms_ft: float
     shape: tuple[int, int]
+    route: str = ROUTE
+    sigma_bound: float = 0.0  # absolute error bound of the singular values (0: float64 route)
 
 
 def delta_blocks(src: Sources, rows: int, cols: int, device: torch.device, block_bytes: int, ft: int = 0):
@@ -59,61 +66,116 @@ def delta_blocks(src: Sources, rows: int, cols: int, device: torch.device, block
         step = block_rows(cols, block_bytes)
         for r0 in range(0, rows, step):
             r1 = min(r0 + step, rows)
-            yield (r0, r1), src.base((r0, r1)).to(device), src.ft(ft, (r0, r1)).to(device)
+            yield (r0, r1), _to(src.base((r0, r1)), device), _to(src.ft(ft, (r0, r1)), device)
     else:
-        base = src.base()[:rows].to(device)
-        fine = src.ft(ft)[:rows].to(device)
+        base = _to(src.base()[:rows], device)
+        fine = _to(src.ft(ft)[:rows], device)
         step = block_rows(rows, block_bytes)
         for c0 in range(0, cols, step):
             c1 = min(c0 + step, cols)
             yield (c0, c1), base[:, c0:c1], fine[:, c0:c1]
 
 
+def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a synchronising copy when the host buffer is pinned."""
+    if device.type == "cpu":
+        return t
+    return t.to(device, non_blocking=t.is_pinned())
+
+
 def delta_spectrum(
-    job: TensorJob, src: Sources, device: torch.device, block_bytes: int = 32 * 1024 * 1024, ft: int = 0
+    job: TensorJob,
+    src: Sources,
+    device: torch.device,
+    block_bytes: int = 64 * 1024 * 1024,
+    ft: int = 0,
+    route: str = "gram64",
 ) -> DeltaSpectrum:
     """Spectrum of Δ = W_ft − W_base (shared rows only for a resized vocabulary).
 
-    Accumulates the float64 Gram matrix of the tall form block by block; raises InputError
-    naming the tensor when an input holds NaN/Inf.
+    ``gram64``: accumulates the float64 Gram matrix of the tall form block by block.
+    ``qr32``: a float32 QR of the tall form over row blocks (TSQR), then a float64
+    eigendecomposition of RᵀR (on the CPU when the device's float64 is slow); the singular
+    values' error bound travels with the result (``sigma_bound``) so decisions can be checked.
+    Raises NonFiniteDelta (an InputError naming the tensor) when an input holds NaN/Inf.
     """
     rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
     cols = job.shape[1]
     shape = (rows, cols)
     tall = rows >= cols
     small = min(shape)
+    gram = route == "gram64"
     g = torch.zeros((small, small), dtype=torch.float64, device=device)
     sumsq_ft = torch.zeros((), dtype=torch.float64, device=device)
+    fro2_t = torch.zeros((), dtype=torch.float64, device=device)
+    r: torch.Tensor | None = None
     for _, b, f in delta_blocks(src, rows, cols, device, block_bytes, ft):
         x = f.to(torch.float64)
         sumsq_ft += torch.linalg.vector_norm(x) ** 2
         x = x.sub_(b)  # exact: the difference of two float32-representable values
         if not tall:
             x = x.T
-        g.addmm_(x.T, x)
-    if not bool(torch.isfinite(g).all()) or not bool(torch.isfinite(sumsq_ft)):
+        if gram:
+            g.addmm_(x.T, x)
+        else:
+            fro2_t += torch.linalg.vector_norm(x) ** 2
+            x32 = x.to(torch.float32)
+            r = torch.linalg.qr(x32 if r is None else torch.cat([r, x32], dim=0), mode="r")[1]
+    finite = bool(torch.isfinite(g).all()) if gram else bool(torch.isfinite(fro2_t))
+    if not finite or not bool(torch.isfinite(sumsq_ft)):
         raise NonFiniteDelta(
             f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the "
             "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
         )
-    fro2 = float(torch.trace(g))
     rms_ft = math.sqrt(float(sumsq_ft) / (rows * cols))
-    spectrum = spectrum_from_gram(g, shape) if fro2 > 0.0 else None
-    return DeltaSpectrum(spectrum=spectrum, fro2=fro2, rms_ft=rms_ft, shape=shape)
+    if gram:
+        fro2 = float(torch.trace(g))
+        spectrum = spectrum_from_gram(g, shape) if fro2 > 0.0 else None
+        return DeltaSpectrum(spectrum=spectrum, fro2=fro2, rms_ft=rms_ft, shape=shape)
+    fro2 = float(fro2_t)
+    if fro2 == 0.0 or r is None:
+        return DeltaSpectrum(spectrum=None, fro2=0.0, rms_ft=rms_ft, shape=shape, route=ROUTE_QR32)
+    slow_fp64 = device.type == "cuda" and choose_route(device) == "qr32"
+    eigh_device = torch.device("cpu") if slow_fp64 else device
+    spectrum, bound = spectrum_from_r(r, shape, fro2, eigh_device, device)
+    return DeltaSpectrum(spectrum, fro2, rms_ft, shape, route=ROUTE_QR32, sigma_bound=bound)
 
 
 class SpectralFilterOp:
     """Runs a shrinker on the delta of every method tensor of a plan."""
 
-    def __init__(self, spec: ShrinkSpec, device: torch.device, block_bytes: int = 32 * 1024 * 1024) -> None:
+    def __init__(
+        self, spec: ShrinkSpec, device: torch.device, block_bytes: int = 32 * 1024 * 1024, route: str = "auto"
+    ) -> None:
         self.spec = spec
         self.device = device
         self.block_bytes = block_bytes
+        self.route = choose_route(device, route)
+
+    def spectrum(self, job: TensorJob, src: Sources, ft: int = 0) -> tuple[DeltaSpectrum, Filtered | None]:
+        """The delta's spectrum and the shrinker's decision, by the fast route when it is safe.
+
+        On the float32 route, a matrix whose cut falls within the route's error bound of a
+        singular value is recomputed on the float64 route (and reported so).
+        """
+        ds = delta_spectrum(job, src, self.device, self.block_bytes, ft, route=self.route)
+        if ds.spectrum is None:
+            return ds, None
+        filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=job.fts[ft].dtype, rms_ft=ds.rms_ft)
+        if ds.sigma_bound and not qr_decision_is_safe(
+            ds.spectrum.sigma, filt.tau, ds.sigma_bound, self.spec, ds.shape
+        ):
+            ds = delta_spectrum(job, src, self.device, self.block_bytes, ft, route="gram64")
+            ds.route = ROUTE + " (float32 cut was ambiguous)"
+            if ds.spectrum is None:
+                return ds, None
+            filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=job.fts[ft].dtype, rms_ft=ds.rms_ft)
+        return ds, filt
 
     def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
         dev = self.device
         try:
-            ds = delta_spectrum(job, src, dev, self.block_bytes)
+            ds, filt = self.spectrum(job, src)
         except NonFiniteDelta:
             if not src.allow_nonfinite:
                 raise
@@ -123,13 +185,12 @@ class SpectralFilterOp:
         rows, cols = ds.shape
         tall = rows >= cols
         rec["delta_norm"] = math.sqrt(max(ds.fro2, 0.0))
-        if ds.spectrum is None:
+        if ds.spectrum is None or filt is None:
             rec["action"], rec["reason"] = "kept-ft", "unchanged"
             yield from passthrough(job, src, rec)
             return
-        filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=job.fts[0].dtype, rms_ft=ds.rms_ft)
         rec.update(_round_stats(filt.stats))
-        rec["route"] = ROUTE
+        rec["route"] = ds.route
         if self.spec.noise == "median" and filt.stats.get("low_rank"):
             rec["action"], rec["reason"] = "kept-ft", "low-rank"
             yield from passthrough(job, src, rec)
