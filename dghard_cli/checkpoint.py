@@ -89,13 +89,16 @@ class TensorInfo:
     def row_bytes(self) -> int:
         return self.nbytes // self.shape[0] if self.shape and self.shape[0] else self.nbytes
 
-    def read_raw(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """The raw bytes of the tensor (or rows ``[r0, r1)``) as a new uint8 CPU tensor."""
+    def read_raw(self, rows: tuple[int, int] | None = None, *, pin: bool = False) -> torch.Tensor:
+        """The raw bytes of the tensor (or rows ``[r0, r1)``) as a new uint8 CPU tensor.
+
+        ``pin``: into page-locked memory, so a CUDA copy from it is asynchronous and fast.
+        """
         if rows is None:
             start, nbytes = 0, self.nbytes
         else:
             start, nbytes = rows[0] * self.row_bytes, (rows[1] - rows[0]) * self.row_bytes
-        buf = torch.empty(nbytes, dtype=torch.uint8)
+        buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         if nbytes:
             self.reader.read_into(memoryview(buf.numpy()), self.offset + start, f"tensor {self.name!r}")
         return buf
@@ -105,9 +108,9 @@ class TensorInfo:
         shape = self.shape if rows is None else (rows[1] - rows[0], *self.shape[1:])
         return raw.view(torch_dtype(self.dtype)).reshape(shape)
 
-    def read(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+    def read(self, rows: tuple[int, int] | None = None, *, pin: bool = False) -> torch.Tensor:
         """The tensor (or rows ``[r0, r1)`` of its first dimension) as a new CPU tensor."""
-        return self.decode(self.read_raw(rows), rows)
+        return self.decode(self.read_raw(rows, pin=pin), rows)
 
     @property
     def numel(self) -> int:

@@ -62,10 +62,16 @@ class Sources:
     """A job's inputs: whole tensors (prefetched, or read now) or row blocks read on demand."""
 
     def __init__(
-        self, job: TensorJob, raw: dict[str, torch.Tensor] | None, *, allow_nonfinite: bool = False
+        self,
+        job: TensorJob,
+        raw: dict[str, torch.Tensor] | None,
+        *,
+        allow_nonfinite: bool = False,
+        pin: bool = False,
     ) -> None:
         self.job = job
         self._raw = raw or {}
+        self.pin = pin  # read on demand into page-locked memory (CUDA)
         #: NaN/Inf in an input: pass the fine-tune's value through (reported) instead of failing.
         self.allow_nonfinite = allow_nonfinite
 
@@ -74,7 +80,7 @@ class Sources:
         if raw is not None:
             t = info.decode(raw)
             return t if rows is None else t[rows[0] : rows[1]]
-        return info.read(rows)
+        return info.read(rows, pin=self.pin)
 
     def base(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
         assert self.job.base is not None
@@ -93,7 +99,7 @@ class Sources:
         info = self.info(key)
         raw = self._raw.get(key)
         if raw is None:
-            return info.read_raw(rows)
+            return info.read_raw(rows, pin=self.pin)
         if rows is None:
             return raw
         return raw[rows[0] * info.row_bytes : rows[1] * info.row_bytes]
@@ -119,6 +125,18 @@ class EngineOptions:
     write_bytes: int = 64 * 1024 * 1024  # outputs queued for the writer
     stream_bytes: int = 256 * 1024 * 1024  # jobs with more input than this are read in blocks
     allow_nonfinite: bool = False  # NaN/Inf in an input tensor: pass FT's value through, reported
+    pin: bool = False  # read into page-locked buffers (asynchronous host-to-device copies)
+
+    @classmethod
+    def for_device(cls, device: torch.device, **overrides) -> EngineOptions:
+        """Budgets for a device: small on CPU (resident memory is the constraint), large on
+        CUDA (keep a 7B model's largest matrices prefetched while the GPU computes)."""
+        if device.type == "cuda":
+            base = dict(prefetch_bytes=4 << 30, write_bytes=1 << 30, stream_bytes=3 << 30, pin=True)
+        else:
+            base = {}
+        base.update(overrides)
+        return cls(**base)
 
 
 class _Prefetcher(threading.Thread):
@@ -127,6 +145,7 @@ class _Prefetcher(threading.Thread):
         self.jobs = jobs
         self.budget = ByteBudget(opts.prefetch_bytes)
         self.stream_bytes = opts.stream_bytes
+        self.pin = opts.pin
         self.wanted = wanted
         self.out: queue.Queue = queue.Queue()
         self.stop = threading.Event()
@@ -142,7 +161,7 @@ class _Prefetcher(threading.Thread):
                 self.budget.acquire(job.in_nbytes)
                 if self.stop.is_set():
                     return
-                raw = {key: info.read_raw() for key, info in job_inputs(job).items()}
+                raw = {key: info.read_raw(pin=self.pin) for key, info in job_inputs(job).items()}
                 self.out.put((job, raw, job.in_nbytes))
         except BaseException as exc:  # handed to the consumer
             self.out.put((None, exc, 0))
@@ -397,7 +416,7 @@ def execute(
                 job, raw, held = pre.next()
                 t0 = time.perf_counter()
                 rec = base_record(job)
-                src = Sources(job, raw, allow_nonfinite=opts.allow_nonfinite)
+                src = Sources(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin)
                 if job.action == "tied":
                     assert job.tied_to is not None
                     writer.sync()

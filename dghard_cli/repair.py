@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .methods.dg_hard import SpectralFilterOp
+from .methods.dg_hard import SpectralFilterOp, default_block_bytes
 from .plan import PolicyOptions, build_plan
 from .runner import RunOptions, write_model
 from .sources import open_checkpoint
@@ -24,7 +24,7 @@ class RepairOptions:
     run: RunOptions = field(default_factory=RunOptions)
     base_revision: str | None = None
     ft_revision: str | None = None
-    block_bytes: int = 32 * 1024 * 1024
+    block_bytes: int | None = None  # float64 block size of the spectral passes; None: by device
     route: str = "auto"  # auto | gram64 | qr32 (see spectral.choose_route)
 
 
@@ -66,7 +66,9 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             fts=[ft_ck],
             out=Path(out),
             plan=plan,
-            make_op=lambda device: SpectralFilterOp(opts.spec, device, opts.block_bytes, opts.route),
+            make_op=lambda device: SpectralFilterOp(
+                opts.spec, device, opts.block_bytes or default_block_bytes(device), opts.route
+            ),
             run=opts.run,
             timings=timings,
         )

@@ -13,7 +13,7 @@ import json
 import os
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -42,7 +42,8 @@ class RunOptions:
     report_path: Path | None = None
     quiet: bool = True
     argv: list[str] | None = None
-    engine: EngineOptions = field(default_factory=EngineOptions)
+    engine: EngineOptions | None = None  # None: EngineOptions.for_device(device)
+    allow_nonfinite: bool = False  # NaN/Inf in an input tensor: pass FT's value through, reported
 
 
 def fingerprint(command: str, method: str, parameters: dict, plan: Plan, inputs: list[Checkpoint]) -> str:
@@ -160,7 +161,7 @@ def write_model(
             stage,
             make_op(device),
             ft_metadata=fts[0].shard_metadata,
-            options=run.engine,
+            options=run.engine or EngineOptions.for_device(device, allow_nonfinite=run.allow_nonfinite),
             on_tensor=lambda job, rec: progress.advance(job.out_nbytes),
         )
     except KeyboardInterrupt:

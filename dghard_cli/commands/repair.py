@@ -11,7 +11,6 @@ from rich.console import Console
 from rich.text import Text
 
 from ..cli_common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
-from ..pipeline import EngineOptions
 from ..plan import PolicyOptions, parse_size
 from ..repair import RepairOptions, repair
 from ..runner import RunOptions
@@ -167,7 +166,7 @@ def repair_cmd(
                 report_path=report,
                 quiet=quiet or json_out,
                 argv=["dghard", *sys.argv[1:]],
-                engine=EngineOptions(allow_nonfinite=allow_nonfinite),
+                allow_nonfinite=allow_nonfinite,
             ),
             base_revision=base_revision,
             ft_revision=revision,

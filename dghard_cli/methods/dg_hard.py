@@ -76,6 +76,11 @@ def delta_blocks(src: Sources, rows: int, cols: int, device: torch.device, block
             yield (c0, c1), base[:, c0:c1], fine[:, c0:c1]
 
 
+def default_block_bytes(device: torch.device) -> int:
+    """Float64 block size of the spectral passes: 32 MB on CPU (resident memory), 1 GB on GPU."""
+    return (1 << 30) if device.type == "cuda" else (32 << 20)
+
+
 def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """Host -> device without a synchronising copy when the host buffer is pinned."""
     if device.type == "cpu":
