@@ -1,0 +1,276 @@
+#!/usr/bin/env python3
+"""CPU benchmark on a Qwen2.5-0.5B-shaped checkpoint pair: time and peak memory, with ratios.
+
+Generates (once, in ``--workdir``) a base and two fine-tunes shaped like Qwen2.5-0.5B (hidden
+896, intermediate 4864, 24 layers, vocabulary 151936, tied embeddings, bf16, sharded); each
+fine-tune is the base plus a low-rank signal and i.i.d. noise on every matrix. Then runs, each
+under ``/usr/bin/time -v`` in its own process, and prints wall time, peak RSS and ratios:
+
+- ``dghard repair BASE FT``                    vs  a naive baseline written here (both models
+  in memory, ``torch.linalg.svd`` on every matrix: the approach of the paper's reference code);
+- ``dghard merge --method ties BASE FT FT2``   vs  ``mergekit-yaml`` 0.1.5 TIES, same
+  parameters (mergekit installed into its own virtual environment on first use).
+
+It checks that the naive baseline keeps the same ranks and values as ``dghard repair`` and that
+the two TIES outputs agree (≤ 1e-6 relative, float32 outputs).
+
+    python scripts/bench_cpu.py                       # everything (~2 GB per model on disk)
+    python scripts/bench_cpu.py --layers 4 --skip-mergekit
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "scripts"))
+
+
+# -- the naive baseline ---------------------------------------------------------------------
+
+
+def naive_repair(base: Path, ft: Path, out: Path) -> None:
+    """Both models in memory, full SVD per matrix, the Gavish–Donoho cut, save."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dghard_cli.marchenko_pastur import omega
+
+    def load(d: Path) -> dict[str, torch.Tensor]:
+        t: dict[str, torch.Tensor] = {}
+        for p in sorted(d.glob("*.safetensors")):
+            t.update(load_file(str(p)))
+        return t
+
+    b_all, f_all = load(base), load(ft)
+    out.mkdir(parents=True, exist_ok=True)
+    index = json.loads((ft / "model.safetensors.index.json").read_text())["weight_map"]
+    ranks = {}
+    result = {}
+    for name, f in f_all.items():
+        b = b_all[name]
+        if f.ndim == 2 and f.numel() >= 1024:
+            d = f.float() - b.float()
+            u, s, vh = torch.linalg.svd(d, full_matrices=False)
+            m, n = d.shape
+            tau = omega(min(m, n) / max(m, n)) * float(np.median(s.double().numpy()))
+            k = int((s > tau).sum())
+            ranks[name] = k
+            result[name] = (b.float() + (u[:, :k] * s[:k]) @ vh[:k]).to(f.dtype)
+        else:
+            result[name] = f
+    for shard in sorted(set(index.values())):
+        save_file(
+            {n: result[n].contiguous() for n, s in index.items() if s == shard},
+            str(out / shard),
+            metadata={"format": "pt"},
+        )
+    shutil.copy(ft / "model.safetensors.index.json", out)
+    (out / "naive_ranks.json").write_text(json.dumps(ranks))
+
+
+# -- generation -----------------------------------------------------------------------------
+
+
+def qwen05b(layers: int):
+    from dghard_cli.synthetic import ArchConfig
+
+    return ArchConfig(
+        model_type="qwen2",
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=layers,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    )
+
+
+def generate(work: Path, layers: int) -> tuple[Path, Path, Path]:
+    from dghard_cli.synthetic import DeltaModel, make_pair
+
+    cfg = qwen05b(layers)
+    dm = DeltaModel(rank=8, signal=4.0, noise=1e-3, weight_std=0.02)
+    base, ft = work / "base", work / "ft"
+    if not (ft / "model.safetensors.index.json").exists():
+        print(f"generating a Qwen2.5-0.5B-shaped pair ({layers} layers) in {work} ...", flush=True)
+        make_pair(work, cfg, dtype="bfloat16", base_shards=2, ft_shards=2, seed=0, delta=dm)
+    ft2 = work / "ft2"
+    if not (ft2 / "model.safetensors.index.json").exists():
+        tmp = work / "second"
+        make_pair(tmp, cfg, dtype="bfloat16", base_shards=1, ft_shards=2, seed=0, delta=dm, delta_seed=1)
+        shutil.rmtree(ft2, ignore_errors=True)
+        (tmp / "ft").rename(ft2)
+        shutil.rmtree(tmp)
+    return base, ft, ft2
+
+
+# -- measuring ------------------------------------------------------------------------------
+
+
+def timed(cmd: list[str], env: dict | None = None) -> dict:
+    """Wall time and peak RSS of a command, as /usr/bin/time -v reports them."""
+    timer = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").exists() else []
+    t0 = time.perf_counter()
+    r = subprocess.run(timer + cmd, capture_output=True, text=True, env=env)
+    wall = time.perf_counter() - t0
+    if r.returncode != 0:
+        raise SystemExit(
+            f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+        )
+    m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
+    return {"wall_s": wall, "peak_rss_mb": int(m.group(1)) / 1024 if m else float("nan"), "stdout": r.stdout}
+
+
+def compare_dirs(a: Path, b: Path) -> float:
+    """Largest relative Frobenius difference over the tensors both directories hold."""
+    import torch
+    from safetensors.torch import load_file
+
+    def load(d):
+        t = {}
+        for p in sorted(d.glob("*.safetensors")):
+            t.update(load_file(str(p)))
+        return t
+
+    ta, tb = load(a), load(b)
+    worst = 0.0
+    for k, v in ta.items():
+        w = tb[k].double()
+        den = float(torch.linalg.norm(w)) or 1.0
+        worst = max(worst, float(torch.linalg.norm(v.double() - w)) / den)
+    return worst
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dghard-bench-cpu")
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--density", type=float, default=0.2)
+    ap.add_argument("--skip-mergekit", action="store_true")
+    ap.add_argument("--naive", nargs=3, type=Path, metavar=("BASE", "FT", "OUT"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.naive:
+        naive_repair(*args.naive)
+        return
+
+    work = args.workdir
+    work.mkdir(parents=True, exist_ok=True)
+    base, ft, ft2 = generate(work, args.layers)
+    size = sum(p.stat().st_size for p in ft.glob("*.safetensors"))
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
+    py = sys.executable
+    rows = []
+
+    for d in ("out_repair", "out_naive", "out_ties", "out_mergekit"):
+        shutil.rmtree(work / d, ignore_errors=True)
+    rep = timed(
+        [
+            py,
+            "-m",
+            "dghard_cli",
+            "repair",
+            str(base),
+            str(ft),
+            str(work / "out_repair"),
+            "--device",
+            "cpu",
+            "-q",
+        ],
+        env,
+    )
+    rows.append(("dghard repair", rep))
+    nai = timed([py, __file__, "--naive", str(base), str(ft), str(work / "out_naive")], env)
+    rows.append(("naive repair (torch.linalg.svd)", nai))
+
+    report = json.loads((work / "out_repair" / "dghard_report.json").read_text())
+    ours = {r["name"]: r["rank_kept"] for r in report["tensors"] if "rank_kept" in r}
+    theirs = json.loads((work / "out_naive" / "naive_ranks.json").read_text())
+    rank_mismatch = sum(1 for k, v in ours.items() if theirs.get(k) != v)
+    diff = compare_dirs(work / "out_repair", work / "out_naive")
+
+    ties = mk = None
+    if not args.skip_mergekit:
+        from compare_mergekit import ensure_mergekit, venv_dir
+
+        ties = timed(
+            [
+                py,
+                "-m",
+                "dghard_cli",
+                "merge",
+                "--method",
+                "ties",
+                "--density",
+                str(args.density),
+                "--weights",
+                "1,1",
+                "--dtype",
+                "fp32",
+                str(base),
+                str(ft),
+                str(ft2),
+                "--out",
+                str(work / "out_ties"),
+                "--device",
+                "cpu",
+                "-q",
+            ],
+            env,
+        )
+        rows.append(("dghard merge --method ties", ties))
+        exe = ensure_mergekit(venv_dir(None))
+        recipe = work / "mergekit_ties.yml"
+        recipe.write_text(
+            "merge_method: ties\n"
+            f"base_model: {base}\n"
+            "models:\n"
+            + "".join(
+                f"  - model: {m}\n    parameters:\n      weight: 1.0\n      density: {args.density}\n"
+                for m in (ft, ft2)
+            )
+            + "parameters:\n  normalize: true\n  lambda: 1.0\n"
+            "dtype: float32\n"
+        )
+        mk = timed(
+            [str(exe), str(recipe), str(work / "out_mergekit"), "--allow-crimes"],
+            dict(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1"),
+        )
+        rows.append(("mergekit-yaml 0.1.5 ties", mk))
+        ties_diff = compare_dirs(work / "out_ties", work / "out_mergekit")
+
+    print()
+    print(
+        f"Qwen2.5-0.5B-shaped pair, {args.layers} layers, bf16, {size / 1e9:.2f} GB per checkpoint, "
+        f"{os.cpu_count()} CPU cores"
+    )
+    print(f"{'command':38s} {'wall s':>8s} {'peak RSS MB':>12s}")
+    for name, r in rows:
+        print(f"{name:38s} {r['wall_s']:8.1f} {r['peak_rss_mb']:12.0f}")
+    print(
+        f"repair: dghard / naive wall = {rep['wall_s'] / nai['wall_s']:.2f}, "
+        f"peak RSS = {rep['peak_rss_mb'] / nai['peak_rss_mb']:.2f}; "
+        f"rank mismatches {rank_mismatch}/{len(ours)}; max relative difference {diff:.2e}"
+    )
+    if ties and mk:
+        print(
+            f"ties: mergekit / dghard wall = {mk['wall_s'] / ties['wall_s']:.2f}x, "
+            f"peak RSS dghard {ties['peak_rss_mb']:.0f} MB vs mergekit {mk['peak_rss_mb']:.0f} MB; "
+            f"max relative difference {ties_diff:.2e}"
+        )
+
+
+if __name__ == "__main__":
+    main()
