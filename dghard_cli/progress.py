@@ -18,7 +18,14 @@ class Progress:
     """Counts bytes written and tensors done; shows them as suits the output stream."""
 
     def __init__(
-        self, total_bytes: int, total_tensors: int, *, label: str, quiet: bool = False, interval: float = 10.0
+        self,
+        total_bytes: int,
+        total_tensors: int,
+        *,
+        label: str,
+        quiet: bool = False,
+        interval: float = 10.0,
+        unit: str = "to write",
     ) -> None:
         self.total_bytes = max(1, total_bytes)
         self.total_tensors = total_tensors
@@ -58,7 +65,7 @@ class Progress:
             )
         elif not quiet:
             print(
-                f"[dghard] {label}: {total_tensors} tensors, {_fmt_bytes(total_bytes)} to write",
+                f"[dghard] {label}: {total_tensors} tensors, {_fmt_bytes(total_bytes)} {unit}",
                 file=sys.stderr,
                 flush=True,
             )
