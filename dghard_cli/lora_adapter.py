@@ -98,8 +98,6 @@ KNOWN_KEYS = frozenset(
     }
 )
 
-#: PEFT's default layer-name patterns for ``layers_to_transform``.
-COMMON_LAYER_PATTERNS = ("layers", "h", "block", "blocks", "layer")
 #: Leaf names of output layers, which ``target_modules="all-linear"`` leaves out.
 OUTPUT_LAYER_NAMES = ("lm_head", "embed_out", "output_layer")
 
@@ -390,14 +388,15 @@ def _list_matches(entries: list[str], module: str) -> bool:
 
 
 def layer_index(module: str, layers_pattern: list[str] | None) -> int | None:
-    """The layer number in a module name (``model.layers.7.mlp`` -> 7), as PEFT finds it."""
+    """The layer number in a module name (``model.layers.7.mlp`` -> 7), found as PEFT finds it:
+    the last ``.<name>.<digits>.`` (``<name>`` from ``layers_pattern`` when given)."""
     if layers_pattern:
         for p in layers_pattern:
-            m = re.match(rf".*\.{p}\.(\d+)\.", module) or re.match(rf"{p}\.(\d+)\.", module)
+            m = re.match(rf".*\.{p}\.(\d+)\.", module)
             if m:
                 return int(m.group(1))
         return None
-    m = re.match(r".*\.[^.]*\.(\d+)\.", module) or re.match(r"[^.]*\.(\d+)\.", module)
+    m = re.match(r".*\.[^.]*\.(\d+)\.", module)
     return int(m.group(1)) if m else None
 
 

@@ -28,7 +28,7 @@ from dghard_cli.lora_spectral import (
     lowrank_spectrum,
     spectrum_stats,
 )
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.synthetic import ArchConfig, make_pair, write_checkpoint
 from dghard_cli.synthetic_lora import LINEAR_TARGETS, PREFIX, make_adapter, write_adapter
 
 ARCH = ArchConfig(
@@ -642,6 +642,37 @@ def test_intruder_pool_is_all_base_vectors_not_just_the_top_k():
     assert res.max_cos[0] == pytest.approx(1.0, abs=1e-9) and 0 not in res.intruders
     top10 = np.abs(u[:, :10].T @ u[:, 19]).max()
     assert top10 < 1e-9  # against the base's top-10 alone it would have counted
+
+
+@pytest.mark.parametrize("shape", [(50, 7), (7, 50), (6, 2, 3)])
+@pytest.mark.parametrize("transposed", [False, True])
+def test_base_blocks_stream_stored_rows_and_cover_the_matrix(tmp_path, shape, transposed):
+    from dghard_cli.audit import base_blocks
+    from dghard_cli.checkpoint import Checkpoint
+
+    w = torch.randn(shape, dtype=torch.float32)
+    write_checkpoint(tmp_path / "ck", [("w", w)])
+    ck = Checkpoint(tmp_path / "ck")
+    ti = ck.tensors["w"]
+    calls = []
+    real_read = type(ti).read
+    stored = w.reshape(shape[0], -1)
+    want = stored.T if transposed else stored
+    budget = 3 * stored.shape[1] * 8  # three float64 stored rows per block
+    try:
+        type(ti).read = lambda self, rows=None: calls.append(rows) or real_read(self, rows)
+        for axis in (0, 1):
+            calls.clear()
+            blocks = list(base_blocks(ti, transposed, budget)(axis))
+            got = torch.cat(blocks, dim=axis)
+            assert torch.equal(got, want)
+            if (axis == 0) != transposed:  # along the stored rows: streamed, never the whole tensor
+                assert None not in calls and all(r1 - r0 <= 3 for r0, r1 in calls)
+            else:
+                assert calls == [None]
+    finally:
+        type(ti).read = real_read
+        ck.close()
 
 
 def test_findings_table_in_readme_matches_codes():
