@@ -200,16 +200,13 @@ def run_repair(root: Path) -> None:
 
 def _adapter_target():
     try:
-        from dghard_cli import audit
+        from dghard_cli.audit import audit_lora as run
+        from dghard_cli.synthetic_lora import make_adapter
     except ImportError:
-        return None
-    make = getattr(audit, "example_adapter", None)
-    run = getattr(audit, "audit_lora", None)
-    if make is None or run is None:
         return None
 
     def prepare(root: Path) -> None:
-        make(root / "adapter")
+        make_adapter(root / "adapter", CFG, r=4)
 
     def mutate(rng: random.Random, root: Path) -> str:
         ad = root / "adapter"
