@@ -84,12 +84,45 @@ class ShrinkSpec:
 
 @dataclass
 class Spectrum:
-    """Singular values (descending, float64) and right singular vectors of the tall form."""
+    """Singular values (descending, float64) of the tall form, and its right singular vectors
+    on demand (all of them from a full eigendecomposition, or only those a filter needs)."""
 
     shape: tuple[int, int]  # the original matrix shape (m, n)
     sigma: np.ndarray
-    vectors: torch.Tensor  # M x M float64, columns ordered like ``sigma``
     fro2: float  # ‖Δ‖_F² (trace of the Gram matrix)
+    gram: torch.Tensor | None = None  # M x M float64, kept while vectors may still be asked for
+    full_vectors: torch.Tensor | None = None  # M x M float64, columns ordered like ``sigma``
+    vector_route: str = "eigh"  # how the vectors were obtained: eigh | chebyshev
+
+    @property
+    def vectors(self) -> torch.Tensor:
+        """All right singular vectors (a full eigendecomposition if not yet done)."""
+        if self.full_vectors is None:
+            assert self.gram is not None, "spectrum has neither vectors nor its Gram matrix"
+            _, evecs = torch.linalg.eigh(self.gram)
+            self.full_vectors = evecs.flip(1)
+            self.vector_route = "eigh"
+        return self.full_vectors
+
+    @vectors.setter
+    def vectors(self, value: torch.Tensor) -> None:
+        self.full_vectors = value
+
+    def vectors_for(self, idx: np.ndarray) -> torch.Tensor:
+        """The right singular vectors of the components ``idx`` (indices into ``sigma``).
+
+        On the CPU a top or bottom block of at most ``PARTIAL_MAX`` components comes from a
+        Chebyshev-filtered subspace iteration whose residuals certify it (``PARTIAL_TOL``);
+        anything else, or a block the iteration cannot certify, from the full decomposition.
+        """
+        idx = np.asarray(idx, dtype=np.int64)
+        if self.full_vectors is None and self.gram is not None and idx.size:
+            vecs = partial_eigenvectors(self.gram, self.sigma**2, idx)
+            if vecs is not None:
+                self.vector_route = "chebyshev"
+                return vecs
+        v = self.vectors
+        return v[:, torch.as_tensor(idx, device=v.device, dtype=torch.long)]
 
     @property
     def transposed(self) -> bool:
@@ -124,9 +157,14 @@ def gram_accumulate(blocks: Iterable[torch.Tensor], m_small: int, device: torch.
     """``G = Σ_b X_bᵀ X_b`` in float64 over row blocks ``X_b`` (``rows x M``) of the tall form."""
     g = torch.zeros((m_small, m_small), dtype=torch.float64, device=device)
     for xb in blocks:
-        xb = xb.to(device=device, dtype=torch.float64)
-        g.addmm_(xb.T, xb)
+        gram_add_(g, xb.to(device=device, dtype=torch.float64))
     return g
+
+
+def gram_add_(g: torch.Tensor, x: torch.Tensor) -> None:
+    """``g += xᵀx`` in float64, through torch's BLAS (one thread pool for all the heavy work:
+    numpy's OpenBLAS pool running beside torch's OpenMP pool slowed eigensolvers 50x here)."""
+    g.addmm_(x.T, x)
 
 
 #: Eigenvalues of the float64 Gram matrix below ``GRAM_FLOOR * M * eps * λ_max`` are rounding
@@ -134,23 +172,105 @@ def gram_accumulate(blocks: Iterable[torch.Tensor], m_small: int, device: torch.
 GRAM_FLOOR = 4.0
 
 
-def spectrum_from_gram(g: torch.Tensor, shape: tuple[int, int]) -> Spectrum:
+def spectrum_from_gram(
+    g: torch.Tensor, shape: tuple[int, int], *, lazy_vectors: bool | None = None
+) -> Spectrum:
     """Eigendecomposition of the Gram matrix: σ descending, vectors to match.
 
-    Singular values below the route's resolution (``sqrt(4 M eps) σ_max``, about 1e-6 σ_max
-    for M = 4096) are exact zeros: an exactly rank-deficient delta then has a well-defined
-    numerical rank, the same whatever rotation of it is given.
+    ``lazy_vectors`` (default: on the CPU) computes the eigenvalues alone now and only the
+    vectors a filter needs later (:meth:`Spectrum.vectors_for`): about half the cost of a
+    full decomposition when few components are kept. Singular values below the route's
+    resolution (``sqrt(4 M eps) σ_max``, about 1e-6 σ_max for M = 4096) are exact zeros: an
+    exactly rank-deficient delta then has a well-defined numerical rank, the same whatever
+    rotation of it is given.
     """
     g = 0.5 * (g + g.T)  # exact symmetry for the eigensolver
-    evals, evecs = torch.linalg.eigh(g)
-    evals = evals.flip(0)
-    evecs = evecs.flip(1)
-    lam = evals.cpu().numpy().astype(np.float64)
+    if lazy_vectors is None:
+        lazy_vectors = g.device.type == "cpu"
+    if lazy_vectors:
+        lam = torch.linalg.eigvalsh(g).flip(0).numpy().astype(np.float64)
+        vectors = None
+    else:
+        evals, evecs = torch.linalg.eigh(g)
+        lam = evals.flip(0).cpu().numpy().astype(np.float64)
+        vectors = evecs.flip(1)
     floor = GRAM_FLOOR * g.shape[0] * np.finfo(np.float64).eps * max(float(lam[0]) if lam.size else 0.0, 0.0)
     lam[lam <= floor] = 0.0
     sig = np.sqrt(lam)
     fro2 = float(torch.trace(g))
-    return Spectrum(shape=shape, sigma=sig, vectors=evecs, fro2=fro2)
+    return Spectrum(shape=shape, sigma=sig, fro2=fro2, gram=g if lazy_vectors else None, full_vectors=vectors)
+
+
+#: Largest block of eigenvectors computed by the filtered subspace iteration (else full eigh).
+PARTIAL_MAX = 48
+#: Residual ‖G v − θ v‖ and eigenvalue mismatch, relative to λ_max, that certify a block.
+PARTIAL_TOL = 1e-11
+
+
+def partial_eigenvectors(
+    g: torch.Tensor, lam: np.ndarray, idx: np.ndarray, *, extra: int = 8
+) -> torch.Tensor | None:
+    """Eigenvectors of the symmetric ``g`` for the eigenvalues ``lam[idx]`` (``lam`` descending),
+    when ``idx`` is the top or the bottom block; None when that is not the case or the result
+    cannot be certified.
+
+    A Chebyshev polynomial of ``g`` that is small on the eigenvalues outside the block (plus
+    ``extra`` guard vectors) and large on the block is applied to random vectors; a
+    Rayleigh–Ritz step then separates the block's eigenvectors, and every residual
+    ‖g v − θ v‖ and every θ − λ must be below ``PARTIAL_TOL·λ_max``. The subspace error is then
+    below residual / gap, where the gap is the distance to the first eigenvalue outside.
+    """
+    m = g.shape[0]
+    k = idx.size
+    if k == 0 or k > PARTIAL_MAX or g.device.type != "cpu":
+        return None
+    top = bool(np.array_equal(idx, np.arange(k)))
+    bottom = bool(np.array_equal(idx, np.arange(m - k, m)))
+    if not (top or bottom):
+        return None
+    width = min(m - 1, k + extra)
+    if width <= k:
+        return None
+    lam_max = float(max(abs(lam[0]), abs(lam[-1]), 1e-300))
+    if top:
+        lo, hi, want = float(lam[-1]), float(lam[width]), float(lam[k - 1])
+    else:  # the same on -g
+        lo, hi, want = -float(lam[0]), -float(lam[m - 1 - width]), -float(lam[m - k])
+    c, e = 0.5 * (hi + lo), 0.5 * (hi - lo)
+    if e <= 0:
+        return None
+    gamma = (want - c) / e
+    if gamma <= 1.0 + 1e-6:
+        return None
+    strongest = ((float(lam[0]) if top else -float(lam[-1])) - c) / e
+    # Degree per pass: the block's strongest direction must not outgrow its weakest by more than
+    # ~1e6 before the basis is re-orthonormalised (or rounding would erase the weakest).
+    spread = math.acosh(max(strongest, gamma)) - math.acosh(gamma)
+    per_pass = int(min(8, max(1, math.floor(13.8 / spread)) if spread > 0 else 8))
+    gain = math.log(math.cosh(per_pass * math.acosh(gamma)))  # damping won per pass, log scale
+    passes = int(math.ceil(math.log(1e16) / gain))
+    if passes * per_pass > 160:
+        return None
+    op = g if top else -g
+    gen = torch.Generator().manual_seed(m * 7919 + k)
+    y = torch.linalg.qr(torch.randn((m, width), generator=gen, dtype=torch.float64))[0]
+    for _ in range(passes):  # Chebyshev filter of degree ``per_pass``, then re-orthonormalise
+        y_prev, y_cur = y, (op @ y - c * y) / e
+        for _ in range(1, per_pass):
+            y_prev, y_cur = y_cur, 2.0 * (op @ y_cur - c * y_cur) / e - y_prev
+        y = torch.linalg.qr(y_cur)[0]
+    theta, w = torch.linalg.eigh(y.T @ g @ y)
+    order = torch.argsort(theta, descending=True)
+    sel = order[:k] if top else order[-k:]
+    theta, v = theta[sel], y @ w[:, sel]
+    res = torch.linalg.vector_norm(g @ v - v * theta, dim=0)
+    target = torch.from_numpy(np.ascontiguousarray(lam[idx]))
+    if (
+        float(res.max()) > PARTIAL_TOL * lam_max
+        or float((theta - target).abs().max()) > PARTIAL_TOL * lam_max
+    ):
+        return None
+    return v.contiguous()
 
 
 def choose_route(device: torch.device, requested: str = "auto") -> str:
@@ -179,8 +299,10 @@ def spectrum_from_r(
     r64 = r.to(device=eigh_device, dtype=torch.float64)
     if r64.shape[0] < m_small:  # fewer rows than columns only for a tall form with N < M (not reached)
         r64 = torch.cat([r64, r64.new_zeros((m_small - r64.shape[0], m_small))], dim=0)
-    spec = spectrum_from_gram(r64.T @ r64, shape)
-    spec.vectors = spec.vectors.to(out_device)
+    lazy = eigh_device.type == "cpu" and out_device.type == "cpu"
+    spec = spectrum_from_gram(r64.T @ r64, shape, lazy_vectors=lazy)
+    if spec.full_vectors is not None:
+        spec.full_vectors = spec.full_vectors.to(out_device)
     spec.fro2 = fro2
     sigma_max = float(spec.sigma[0]) if spec.sigma.size else 0.0
     bound = QR32_ERROR_FACTOR * math.sqrt(m_small) * 2.0**-24 * sigma_max
@@ -376,8 +498,16 @@ class Projector:
             c = float(values[np.argmax(counts)])
         w = np.where(np.isnan(w), c, w)
         idx = np.flatnonzero(w != c)
-        dev = spectrum.vectors.device
-        vs = spectrum.vectors[:, torch.as_tensor(idx, device=dev, dtype=torch.long)]
+        if idx.size:
+            vs = spectrum.vectors_for(idx)
+        else:
+            vs = torch.zeros((spectrum.small, 0), dtype=torch.float64)
+        dev = (
+            spectrum.full_vectors.device
+            if spectrum.full_vectors is not None
+            else (spectrum.gram.device if spectrum.gram is not None else vs.device)
+        )
+        vs = vs.to(dev)
         d = torch.as_tensor(w[idx] - c, dtype=torch.float64, device=dev)
         return cls(c=c, vs=vs, d=d)
 

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import os
+
+# One BLAS thread pool at a time: the float64 references below use numpy (OpenBLAS), the
+# package uses torch (OpenMP); both pools busy-waiting on 2 cores slow each other 50x.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import subprocess
 import sys
 from pathlib import Path

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from reference import ref_filter, rel
+from reference import ref_filter, ref_omega, rel
 
 from dghard_cli.errors import InputError
 from dghard_cli.spectral import ShrinkSpec, filter_dense, gd_threshold
@@ -128,7 +128,7 @@ def _job_and_sources(delta: np.ndarray, base: np.ndarray | None = None):
         def decode(self, raw, rows=None):
             return self.t if rows is None else self.t[rows[0] : rows[1]]
 
-        def read(self, rows=None):
+        def read(self, rows=None, pin=False):
             return self.decode(None, rows)
 
     job = TensorJob("w", "method", None, tuple(delta.shape), "F32", base=Info(b), fts=[Info(f)])
@@ -176,3 +176,50 @@ def test_float32_qr_route_falls_back_to_float64_when_the_cut_is_ambiguous():
     job, src = _job_and_sources(spiked(m, n))
     ds, _ = SpectralFilterOp(ShrinkSpec(), torch.device("cpu"), route="qr32").spectrum(job, src)
     assert ds.route.startswith("qr-float32")
+
+
+def _designed(m: int, lam: np.ndarray, seed: int = 0) -> torch.Tensor:
+    q = np.linalg.qr(np.random.default_rng(seed).normal(size=(m, m)))[0]
+    return torch.from_numpy((q * lam) @ q.T)
+
+
+@pytest.mark.parametrize("where", ["top", "bottom"])
+def test_partial_eigenvectors_match_a_full_decomposition(where):
+    from dghard_cli.spectral import partial_eigenvectors
+
+    for m, k in [(300, 1), (300, 8), (500, 30), (64, 5)]:
+        if where == "top":  # spikes over a Marchenko-Pastur bulk
+            d = spiked(900, m, rank=min(k, 4), strengths=(8.0, 5.0, 4.0, 3.0), seed=m + k)
+            g = torch.from_numpy(d.T @ d)
+        else:  # a bulk over a few near-null directions (what a cut keeping most leaves out)
+            lam = np.concatenate([np.linspace(2.0, 1.0, m - k), np.linspace(0.05, 0.01, k)])
+            g = _designed(m, lam, seed=m)
+        lam_all, vec = np.linalg.eigh(g.numpy())
+        lam_all, vec = lam_all[::-1], vec[:, ::-1]
+        if where == "bottom":
+            kk = k
+        else:  # the components the Gavish-Donoho cut keeps
+            sv = np.sqrt(np.clip(lam_all, 0, None))
+            kk = int(np.count_nonzero(sv > ref_omega(m / 900) * np.median(sv)))
+        idx = np.arange(kk) if where == "top" else np.arange(m - kk, m)
+        v = partial_eigenvectors(g, lam_all, idx)
+        assert v is not None, (m, kk)
+        p_ref = vec[:, idx] @ vec[:, idx].T
+        assert np.linalg.norm(v.numpy() @ v.numpy().T - p_ref) < 1e-8
+        assert np.allclose(v.numpy().T @ v.numpy(), np.eye(kk), atol=1e-10)
+    assert partial_eigenvectors(g, lam_all, np.array([0, 2])) is None  # not a block: full decomposition
+
+
+def test_partial_eigenvectors_refuse_what_they_cannot_certify():
+    from dghard_cli.spectral import partial_eigenvectors
+
+    # the wanted eigenvalue sits on a cluster 1e-9 below it: no cheap filter separates them
+    m = 120
+    lam = np.concatenate([[1.0], 1.0 - 1e-9 * np.arange(1, 30), np.linspace(0.5, 0.1, m - 30)])
+    g = _designed(m, lam)
+    assert partial_eigenvectors(g, np.sort(lam)[::-1], np.arange(1)) is None
+    # a filter that needs vectors then gets them from the full decomposition, still exact
+    d = spiked(400, 100)
+    out, _ = filter_dense(torch.from_numpy(d), ShrinkSpec())
+    ref, _, _ = ref_filter(d)
+    assert rel(out.numpy(), ref) < 1e-9

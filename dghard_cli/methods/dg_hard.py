@@ -33,6 +33,7 @@ from ..spectral import (
     block_rows,
     choose_route,
     filter_spectrum,
+    gram_add_,
     qr_decision_is_safe,
     spectrum_from_gram,
     spectrum_from_r,
@@ -53,6 +54,7 @@ class DeltaSpectrum:
     shape: tuple[int, int]
     route: str = ROUTE
     sigma_bound: float = 0.0  # absolute error bound of the singular values (0: float64 route)
+    delta: torch.Tensor | None = None  # the float64 tall-form delta, kept when it was one block
 
 
 def delta_blocks(src: Sources, rows: int, cols: int, device: torch.device, block_bytes: int, ft: int = 0):
@@ -114,14 +116,16 @@ def delta_spectrum(
     sumsq_ft = torch.zeros((), dtype=torch.float64, device=device)
     fro2_t = torch.zeros((), dtype=torch.float64, device=device)
     r: torch.Tensor | None = None
+    nblocks = 0
     for _, b, f in delta_blocks(src, rows, cols, device, block_bytes, ft):
+        nblocks += 1
         x = f.to(torch.float64)
         sumsq_ft += torch.linalg.vector_norm(x) ** 2
         x = x.sub_(b)  # exact: the difference of two float32-representable values
         if not tall:
             x = x.T
         if gram:
-            g.addmm_(x.T, x)
+            gram_add_(g, x)
         else:
             fro2_t += torch.linalg.vector_norm(x) ** 2
             x32 = x.to(torch.float32)
@@ -133,17 +137,18 @@ def delta_spectrum(
             "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
         )
     rms_ft = math.sqrt(float(sumsq_ft) / (rows * cols))
+    kept = x if nblocks == 1 else None  # pass 2 reuses a one-block delta instead of re-forming it
     if gram:
         fro2 = float(torch.trace(g))
         spectrum = spectrum_from_gram(g, shape) if fro2 > 0.0 else None
-        return DeltaSpectrum(spectrum=spectrum, fro2=fro2, rms_ft=rms_ft, shape=shape)
+        return DeltaSpectrum(spectrum=spectrum, fro2=fro2, rms_ft=rms_ft, shape=shape, delta=kept)
     fro2 = float(fro2_t)
     if fro2 == 0.0 or r is None:
         return DeltaSpectrum(spectrum=None, fro2=0.0, rms_ft=rms_ft, shape=shape, route=ROUTE_QR32)
     slow_fp64 = device.type == "cuda" and choose_route(device) == "qr32"
     eigh_device = torch.device("cpu") if slow_fp64 else device
     spectrum, bound = spectrum_from_r(r, shape, fro2, eigh_device, device)
-    return DeltaSpectrum(spectrum, fro2, rms_ft, shape, route=ROUTE_QR32, sigma_bound=bound)
+    return DeltaSpectrum(spectrum, fro2, rms_ft, shape, route=ROUTE_QR32, sigma_bound=bound, delta=kept)
 
 
 class SpectralFilterOp:
@@ -206,19 +211,26 @@ class SpectralFilterOp:
             return
 
         out_dtype = torch_dtype(job.out_dtype)
-        blocks = delta_blocks(src, rows, cols, dev, self.block_bytes)
         # pass 2: W_base + Δ*, in the output dtype
-        if tall:
+        if ds.delta is not None and not proj.zero:  # one block: the delta of pass 1 is still here
+            b64 = _to(src.base()[:rows], dev).to(torch.float64)
+            xs = proj.apply(ds.delta, inplace=True)
+            ds.delta = None
+            yield _fits(b64.add_(xs if tall else xs.T), job).to(out_dtype).cpu()
+            del xs, b64
+        elif tall:
+            blocks = delta_blocks(src, rows, cols, dev, self.block_bytes)
             for _, b, f in blocks:
                 if proj.zero:
                     out = b.to(out_dtype)
                 else:
                     b64 = b.to(torch.float64)
                     x = proj.apply(f.to(torch.float64).sub_(b64), inplace=True)
-                    out = _finite(b64.add_(x), job).to(out_dtype)
+                    out = _fits(b64.add_(x), job).to(out_dtype)
                     del x, b64
                 yield out.cpu()
         else:
+            blocks = delta_blocks(src, rows, cols, dev, self.block_bytes)
             full = torch.empty((rows, cols), dtype=out_dtype, device=dev)
             for (c0, c1), b, f in blocks:
                 if proj.zero:
@@ -226,15 +238,23 @@ class SpectralFilterOp:
                     continue
                 b64 = b.to(torch.float64)
                 xs = proj.apply(f.to(torch.float64).sub_(b64).T, inplace=True).T
-                full[:, c0:c1] = _finite(b64.add_(xs), job).to(out_dtype)
+                full[:, c0:c1] = _fits(b64.add_(xs), job).to(out_dtype)
             yield full.cpu()
         if job.shared_rows is not None and job.shape[0] > rows:
             yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)
 
 
-def _finite(t: torch.Tensor, job: TensorJob) -> torch.Tensor:
-    if not bool(torch.isfinite(t).all()):
-        raise RuntimeFailure(f"tensor {job.name!r}: the filter produced NaN/Inf; refusing to write it")
+def _fits(t: torch.Tensor, job: TensorJob) -> torch.Tensor:
+    """Refuse to write values the output dtype cannot hold.
+
+    The filtered values are finite by construction (the Gram matrix was checked finite, so
+    every delta entry is, and the projector is made of unit vectors), so only a cast that
+    overflows (float16's range is ±65504) could create an Inf; check that cheaply.
+    """
+    if job.out_dtype == "F16" and float(t.abs().max()) > 65504.0:
+        raise RuntimeFailure(
+            f"tensor {job.name!r}: the repaired values exceed float16's range; use --dtype bf16 or fp32"
+        )
     return t
 
 
