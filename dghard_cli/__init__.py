@@ -9,6 +9,7 @@ Library API (the CLI is a thin layer over these)::
 __version__ = "0.1.0"
 
 from .errors import CheckFailed, DGHardError, InputError, RuntimeFailure  # noqa: E402
+from .merge import MergeOptions, merge  # noqa: E402
 from .plan import PolicyOptions  # noqa: E402
 from .repair import RepairOptions, repair  # noqa: E402
 from .runner import RunOptions  # noqa: E402
@@ -18,6 +19,8 @@ __all__ = [
     "__version__",
     "repair",
     "RepairOptions",
+    "merge",
+    "MergeOptions",
     "RunOptions",
     "PolicyOptions",
     "ShrinkSpec",

@@ -8,7 +8,7 @@ Each command lives in :mod:`dghard_cli.commands` and registers itself on ``app``
 from __future__ import annotations
 
 from .cli_common import app
-from .commands import repair  # noqa: F401  (registers the command)
+from .commands import merge, repair  # noqa: F401  (registers the commands)
 
 
 def entrypoint() -> None:
