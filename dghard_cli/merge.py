@@ -80,6 +80,7 @@ class MergeOptions:
     base_revision: str | None = None
     ft_revisions: list[str | None] | None = None
     block_bytes: int = 64 * 1024 * 1024
+    create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
 
 
 def canonical_method(method: str) -> str:
@@ -316,6 +317,8 @@ def merge(
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
         parameters = {**p, **policy_parameters(opts.policy)}
+        if opts.create_parents and not opts.run.dry_run:
+            Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
 
         def extra_report() -> dict:
             return extra

@@ -269,6 +269,7 @@ def merge_cmd(
             ),
             base_revision=rev_base,
             ft_revisions=ft_revisions,
+            create_parents=out is None,  # the recipe's out: its parent directories are made
         )
         return merge(base, fts, Path(out_dir), opts)
 
