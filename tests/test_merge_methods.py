@@ -105,6 +105,13 @@ def test_ties(models, tmp_path, n):
     assert doc["merge"]["sign_conflicts"] > 0
 
 
+def test_ties_in_row_blocks(models, tmp_path):
+    """Tensors too large for one block: whole-tensor selection, then trimming block by block."""
+    w = [1.0, 0.5, 2.0]
+    _, merged = run_merge(models, tmp_path / "o", "ties", 3, weights=w, density=0.3, block_bytes=4096)
+    check_all(models, merged, 3, lambda name, b, fs: M.ref_ties(b, fs, w, 0.3, 1.0))
+
+
 def test_ties_bf16_inputs_many_ties(tmp_path):
     """bf16 deltas repeat magnitudes a lot: the deterministic tie-break decides the output."""
     base, ft1 = make_pair(tmp_path / "a", CFG, dtype="bfloat16", ft_shards=2, seed=3)
@@ -152,15 +159,17 @@ def test_dare_against_reference(models, tmp_path, method, n):
 
 
 def test_dare_survivors_exactly_rescaled(models, tmp_path):
-    """One fine-tune, weight 1, λ 1: kept entries are exactly fl32(b + Δ/(1−p)), the rest exactly b."""
+    """One fine-tune, weight 1, λ 1, float32 work: kept entries are exactly b + fl32(Δ/(1−p)), the rest b."""
     _, merged = run_merge(models, tmp_path / "o", "dare-linear", 1, density=0.3, seed=5)
     b, f = models["base"], models["fts"][0]
     kept_total = 0
     for name in b:
-        b64, d = f64(b[name]), f64(f[name]) - f64(b[name])
-        keep = M.dare_keep(5, name, 0, 0.3, d.size, dare_mod.CHUNK).reshape(d.shape)
+        b32 = b[name].numpy()
+        d32 = f[name].numpy() - b32  # float32, as the merge forms it
+        keep = M.dare_keep(5, name, 0, 0.3, d32.size, dare_mod.CHUNK).reshape(d32.shape)
         out = merged[name].numpy()
-        expected = np.where(keep, (b64 + d / 0.3).astype(np.float32), b[name].numpy())
+        survivor = (d32.astype(np.float64) / 0.3).astype(np.float32)  # correctly rounded Δ/(1−p)
+        expected = np.where(keep, b32 + survivor, b32)
         assert np.array_equal(out, expected), name
         kept_total += int(keep.sum())
     assert kept_total > 0
@@ -286,3 +295,22 @@ def test_pure_ties_functions():
     expected = torch.tensor([-4.0, 2.0, 1.5, 0.0, -3.0, 0.75], dtype=torch.float64)
     assert torch.equal(out, expected)
     assert ties_mod.sign_conflicts([a, b]) == 2
+
+
+def test_selection_is_exact_when_float32_rounding_makes_ties():
+    """Δ formed in float32 can round two different magnitudes to one value at the threshold:
+    the kept entry is still the exactly larger one (then the first in row-major order)."""
+    from dghard_cli.methods.merge_ops import TiesKernel
+
+    b = torch.tensor([2.0**-30, 0.0, 0.5, 2.0**-30, 0.25], dtype=torch.float32)
+    f = torch.tensor([1.0, 1.0, 0.5, 1.0, 0.25], dtype=torch.float32)
+    d32 = (f - b).abs()
+    assert d32[0] == d32[1] == d32[3]  # 1 − 2^-30 rounds to 1 in float32
+    for k, expected in [(1, [1]), (2, [0, 1]), (3, [0, 1, 3])]:
+        kern = TiesKernel([1.0], 1.0, k / 5, 5)
+        kern.prepare(0, b, f)
+        out = kern.block([(f - b)])
+        kept = torch.nonzero(out).reshape(-1).tolist()
+        assert kept == expected, (k, kept)
+    # without the exact magnitudes the float32 ties would fall to row-major order
+    assert ties_mod.topk_mask(d32, 1).nonzero().reshape(-1).tolist() == [0]

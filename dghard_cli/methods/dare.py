@@ -5,7 +5,9 @@ the survivors are divided by ``density`` = 1 − p, so the expected delta is unc
 
     DARE(Δ)[j] = Δ[j] / density   if u_j < density,   else 0,
 
-with u_j uniform in [0, 1). Then DARE-linear adds the results as task arithmetic and
+with u_j uniform in [0, 1) (float32, so the keep probability is density rounded to float32).
+The division is an IEEE float64 division rounded once to the work dtype: the survivors are
+Δ/(1 − p) correctly rounded. Then DARE-linear adds the results as task arithmetic and
 DARE-TIES runs TIES' sign election and disjoint mean on them.
 
 The random numbers are a function of (seed, tensor name, fine-tune index, position): the
@@ -52,11 +54,16 @@ def keep_mask(
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
+def rescale(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """``Δ / density``: an IEEE division in float64, rounded once to Δ's dtype."""
+    divisor = torch.tensor(density, dtype=torch.float64, device=delta.device)
+    return torch.div(delta.to(torch.float64), divisor).to(delta.dtype)
+
+
 def drop_and_rescale(delta: torch.Tensor, keep: torch.Tensor, density: float) -> torch.Tensor:
     """``Δ / density`` where ``keep``, else 0 (``keep`` has Δ's shape, or is flat)."""
     keep = keep.reshape(delta.shape).to(delta.device)
-    zero = torch.zeros((), dtype=delta.dtype, device=delta.device)
-    return torch.where(keep, delta / density, zero)
+    return rescale(delta, density).masked_fill_(~keep, 0)
 
 
 def dare(delta: torch.Tensor, density: float, seed: int, name: str, index: int = 0) -> torch.Tensor:

@@ -6,8 +6,10 @@ reads BASE and every fine-tune in row blocks (all inputs streamed together, tens
 forms Δ_i = W_i − W_base in the work dtype, applies the kernel and yields ``W_base + merged``
 in the output dtype. TIES first makes one whole-tensor pass per fine-tune to select its top-k.
 
-Work dtype: float64 when any input is stored in float32/float64 (Δ is then exact), float32 for
-16-bit inputs (the difference of two bf16/fp16 numbers is exact in float32).
+Work dtype: float32 (float64 when an input is stored in float64). The difference of two
+bf16/fp16 numbers is exact in float32; that of two float32 numbers is rounded once, and TIES'
+top-k stays exact anyway (see :mod:`dghard_cli.methods.ties`: the few entries whose rounded
+magnitude equals the rounded threshold are ranked by their float64 magnitude).
 
 :class:`SpectralMergeOp` is DG-Hard in merge: each Δ_i of an eligible matrix is filtered as in
 ``repair`` (same spectra, same projector), then combined by task arithmetic; tensors that are
@@ -35,9 +37,8 @@ BLOCK_BYTES = 64 * 1024 * 1024
 
 
 def work_dtype(job: TensorJob) -> torch.dtype:
-    wide = {"F32", "F64"}
     infos = [*job.fts, *([job.base] if job.base is not None else [])]
-    return torch.float64 if any(i.dtype in wide for i in infos) else torch.float32
+    return torch.float64 if any(i.dtype == "F64" for i in infos) else torch.float32
 
 
 def merged_rows(job: TensorJob) -> int | None:
@@ -70,8 +71,8 @@ class Kernel:
 
     needs_whole = False
 
-    def prepare(self, i: int, delta: torch.Tensor) -> None:  # pragma: no cover - interface
-        """See the whole Δ_i once before the blocks (TIES: select its top-k)."""
+    def prepare(self, i: int, base: torch.Tensor, ft: torch.Tensor) -> None:  # pragma: no cover
+        """See the whole W_base and W_i once before the blocks (TIES: select Δ_i's top-k)."""
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -101,53 +102,71 @@ class _Election:
 
     def __init__(self, weights: Sequence[float], lam: float) -> None:
         self.weights, self.lam = list(weights), lam
-        self.conflicts = 0
-        self.dropped = 0
+        self.counts: dict = {}
         self.numel = 0
 
     def __call__(self, trimmed: list[torch.Tensor]) -> torch.Tensor:
-        merged, sign = T.ties_delta(trimmed, self.weights, self.lam)
         self.numel += trimmed[0].numel()
-        if len(trimmed) > 1:
-            self.conflicts += T.sign_conflicts(trimmed)
-        for t, w in zip(trimmed, self.weights, strict=True):
-            self.dropped += int(torch.count_nonzero(t)) - int(torch.count_nonzero(T.agreeing(t, w, sign)))
-        return merged
+        return T.ties_delta(trimmed, self.weights, self.lam, self.counts)
 
     def stats(self) -> dict:
+        conflicts = self.counts.get("sign_conflicts", 0)
         return {
-            "sign_conflicts": self.conflicts,
-            "sign_conflict_fraction": self.conflicts / self.numel if self.numel else 0.0,
-            "dropped_by_election": self.dropped,
+            "sign_conflicts": conflicts,
+            "sign_conflict_fraction": conflicts / self.numel if self.numel else 0.0,
         }
 
 
 class TiesKernel(Kernel):
+    """TIES. Whole tensors (the usual case): one pass per delta selects and trims in place.
+    Tensors in row blocks: :meth:`prepare` selects on the whole delta, :meth:`block` trims."""
+
     needs_whole = True
 
     def __init__(self, weights: Sequence[float], lam: float, density: float, numel: int) -> None:
         self.n = len(weights)
         self.k = T.keep_count(numel, density)
         self.numel = numel
+        self.sel: list[T.TopK | None] = [None] * self.n
         self.masks: list[T.TopKMask | None] = [None] * self.n
         self.election = _Election(weights, lam)
 
-    def prepare(self, i: int, delta: torch.Tensor) -> None:
-        self.masks[i] = T.TopKMask(T.select_topk(delta.abs(), self.k))
+    @staticmethod
+    def _exact(base: torch.Tensor, ft: torch.Tensor) -> T.ExactMagnitudes:
+        b, f = base.reshape(-1), ft.reshape(-1)
+
+        def exact(pos: torch.Tensor) -> torch.Tensor:
+            p = pos.to(b.device)
+            return (f[p].to(torch.float64) - b[p].to(torch.float64)).abs()
+
+        return exact
+
+    def prepare(self, i: int, base: torch.Tensor, ft: torch.Tensor) -> None:
+        self.sel[i] = T.select_topk((ft - base).abs_(), self.k, self._exact(base, ft))
+        self.masks[i] = T.TopKMask(self.sel[i])
+
+    def trim_whole(self, i: int, delta: torch.Tensor, exact: T.ExactMagnitudes) -> None:
+        """Select and trim a whole Δ_i in place (``exact``: its unrounded magnitudes)."""
+        mag = delta.abs()
+        sel = T.select_topk(mag, self.k, exact)
+        self.sel[i] = sel
+        delta.masked_fill_(~T.selection_mask(mag, sel), 0)
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        trimmed = []
         for m, d in zip(self.masks, deltas, strict=True):
-            assert m is not None
-            trimmed.append(torch.where(m(d.abs()), d, torch.zeros((), dtype=d.dtype, device=d.device)))
-        return self.election(trimmed)
+            if m is not None:  # row blocks: trim with the whole-tensor selection
+                d.masked_fill_(~m(d.abs()), 0)
+        return self.election(deltas)
 
     def stats(self) -> dict:
-        kept = [m.kept if m else 0 for m in self.masks]
+        kept = [
+            (m.kept if m is not None else (s.kept if s else 0))
+            for m, s in zip(self.masks, self.sel, strict=True)
+        ]
         return {
             "kept": kept,
             "kept_fraction": [k / self.numel if self.numel else 0.0 for k in kept],
-            "threshold": [float(m.sel.threshold) if m and m.sel.k else None for m in self.masks],
+            "threshold": [float(s.threshold) if s and s.k else None for s in self.sel],
             **self.election.stats(),
         }
 
@@ -199,12 +218,15 @@ class LayerWeightsKernel(Kernel):
         return {"recall_group": self.group, "recall_weights": self.alpha}
 
 
-def _finite(t: torch.Tensor, job: TensorJob, what: str) -> torch.Tensor:
-    if not bool(torch.isfinite(t).all()):
-        if what == "output":
-            raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
-        raise InputError(f"tensor {job.name!r} in {what} contains NaN or Inf; fix the checkpoint")
-    return t
+def _sumsq(t: torch.Tensor) -> float:
+    """‖t‖² in one pass with no temporary; NaN/Inf anywhere in ``t`` make it non-finite."""
+    flat = t.reshape(-1)
+    return float(torch.dot(flat, flat)) if flat.numel() else 0.0
+
+
+def _nonfinite_input(job: TensorJob, b: torch.Tensor, f: torch.Tensor, i: int) -> InputError:
+    which = "BASE" if not bool(torch.isfinite(b).all()) else f"fine-tune #{i + 1}"
+    return InputError(f"tensor {job.name!r} in {which} contains NaN or Inf; fix the checkpoint")
 
 
 class ElementwiseMergeOp:
@@ -224,34 +246,61 @@ class ElementwiseMergeOp:
         full = rows is None and job.shared_rows is not None
         r = (0, job.shared_rows) if full else rows
         t = src.base(r) if key == "base" else src.ft(int(key[2:]), r)
-        where = "BASE" if key == "base" else f"fine-tune #{int(key[2:]) + 1}"
-        return _finite(t.to(device=self.device, dtype=wd), job, where)
+        return t.to(device=self.device, dtype=wd)
+
+    @staticmethod
+    def _exact(job: TensorJob, src: Sources, i: int) -> T.ExactMagnitudes:
+        """|W_i − W_base| in float64 at flat positions, read from the inputs when asked."""
+        rows = (0, job.shared_rows) if job.shared_rows is not None else None
+
+        def exact(pos: torch.Tensor) -> torch.Tensor:
+            b = src.base(rows).reshape(-1)[pos].to(torch.float64)
+            f = src.ft(i, rows).reshape(-1)[pos].to(torch.float64)
+            return (f - b).abs()
+
+        return exact
 
     def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
         wd = work_dtype(job)
         n = len(job.fts)
         kernel = self.make_kernel(job)
-        if kernel.needs_whole:
+        itemsize = torch.empty((), dtype=wd).element_size()
+        blocks = row_blocks(job, self.block_bytes, itemsize * (n + 2))
+        whole = blocks == [None]
+        if kernel.needs_whole and not whole:
+            b = self._read(job, src, "base", None, wd)
             for i in range(n):
-                b = self._read(job, src, "base", None, wd)
-                d = self._read(job, src, f"ft{i}", None, wd).sub_(b)
-                del b
-                kernel.prepare(i, d)
-                del d
+                kernel.prepare(i, b, self._read(job, src, f"ft{i}", None, wd))
+            del b
         sumsq = [0.0] * n
         merged_sq = 0.0
-        itemsize = torch.empty((), dtype=wd).element_size()
-        for rows in row_blocks(job, self.block_bytes, itemsize * (n + 2)):
+        for rows in blocks:
             b = self._read(job, src, "base", rows, wd)
-            deltas = [self._read(job, src, f"ft{i}", rows, wd).sub_(b) for i in range(n)]
-            for i, d in enumerate(deltas):
-                sumsq[i] += float(torch.sum(d * d))
+            deltas = []
+            for i in range(n):
+                # never in place: a read may be a view of the input's buffer
+                d = torch.sub(self._read(job, src, f"ft{i}", rows, wd), b)
+                sq = _sumsq(d)  # Δ is finite iff BASE and FT are (inf − x, x − inf, nan: not)
+                if not math.isfinite(sq):
+                    raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
+                sumsq[i] += sq
+                if kernel.needs_whole and whole:
+                    assert isinstance(kernel, TiesKernel)
+                    kernel.trim_whole(i, d, self._exact(job, src, i))
+                deltas.append(d)
             merged = kernel.block(deltas)
             del deltas
-            merged_sq += float(torch.sum(merged * merged))
-            out = _finite(b.add_(merged), job, "output")
+            msq = _sumsq(merged)
+            if not math.isfinite(msq):
+                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
+            merged_sq += msq
+            out = cast_out(merged.add_(b).cpu(), job.out_dtype)
             del merged
-            yield cast_out(out.cpu(), job.out_dtype)
+            if job.out_dtype == "F16" and not bool(torch.isfinite(out).all()):
+                raise RuntimeFailure(
+                    f"tensor {job.name!r}: the merged values overflow float16; use --dtype bf16"
+                )
+            yield out
         if job.shared_rows is not None and job.shape[0] > job.shared_rows:
             yield cast_out(src.ft(0, (job.shared_rows, job.shape[0])), job.out_dtype)
         rec["delta_norms"] = [math.sqrt(s) for s in sumsq]
@@ -347,7 +396,9 @@ class SpectralMergeOp:
             if self.lam != 1.0:
                 acc.mul_(self.lam)
             out = b64 + (acc if tall else acc.T)
-            out = _finite(out, job, "output").to(out_dtype)
+            if not math.isfinite(_sumsq(out)):
+                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
+            out = out.to(out_dtype)
             if tall:
                 yield out.cpu()
             else:
