@@ -20,6 +20,7 @@ that is not a path there and looks like ``org/name`` is a Hugging Face Hub id.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -119,13 +120,13 @@ def _resolve_model(spec: str, root: Path) -> str:
         return str(p)
     candidate = root / p
     if candidate.exists() or not is_hub_id(spec) or spec.startswith("."):
-        return str(candidate)
+        return os.path.normpath(candidate)
     return spec
 
 
 def _resolve_path(value: str, root: Path) -> str:
     p = Path(value).expanduser()
-    return str(p if p.is_absolute() else root / p)
+    return str(p) if p.is_absolute() else os.path.normpath(root / p)
 
 
 def _model(entry: object, where: str, root: Path) -> ModelRef:

@@ -8,6 +8,7 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
 from ..calibration import RecallOptions
 from ..cli_common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
@@ -77,7 +78,8 @@ def render_merge(console: Console, doc: dict) -> None:
     console.print(t)
     rc = doc.get("recall")
     if rc:
-        lt = Table(title="RECALL per-layer weights", box=None)
+        console.print(Text("RECALL merge weights per layer:"))
+        lt = Table(box=None)
         lt.add_column("layer")
         for name in rc["models"]:
             lt.add_column(name, justify="right")
