@@ -29,6 +29,7 @@ from .device import resolve_device
 from .errors import InputError
 from .methods.dare import CHUNK
 from .methods.merge_ops import (
+    WHOLE_BYTES,
     DareKernel,
     ElementwiseMergeOp,
     LayerWeightsKernel,
@@ -79,7 +80,8 @@ class MergeOptions:
     run: RunOptions = field(default_factory=RunOptions)
     base_revision: str | None = None
     ft_revisions: list[str | None] | None = None
-    block_bytes: int = 64 * 1024 * 1024
+    block_bytes: int = 64 * 1024 * 1024  # row blocks of large tensors (work copies of all inputs)
+    whole_bytes: int = WHOLE_BYTES  # TIES: whole tensors up to this size (all work copies)
     create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
 
 
@@ -210,7 +212,10 @@ def _make_op(method: str, p: dict, opts: MergeOptions, recall_w, device):
         return ElementwiseMergeOp(lambda job: TaskArithmeticKernel(p["weights"], p["lambda"]), device, bb)
     if method == "ties":
         return ElementwiseMergeOp(
-            lambda job: TiesKernel(p["weights"], p["lambda"], p["density"], merged_numel(job)), device, bb
+            lambda job: TiesKernel(p["weights"], p["lambda"], p["density"], merged_numel(job)),
+            device,
+            bb,
+            opts.whole_bytes,
         )
     if method in ("dare-linear", "dare-ties"):
         return ElementwiseMergeOp(

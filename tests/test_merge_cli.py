@@ -330,3 +330,33 @@ def test_excluded_and_dtype_options(tree, tmp_path):
     assert torch.equal(merged["lm_head.weight"], ft["lm_head.weight"].to(torch.bfloat16))
     rec = next(r for r in doc["tensors"] if r["name"] == "lm_head.weight")
     assert rec["action"] == "kept-ft" and rec["reason"] == "excluded"
+
+
+def test_nan_in_a_finetune_is_exit_2_naming_it(tree, tmp_path):
+    from dghard_cli.synthetic import write_checkpoint
+
+    ft = load_dir(tree / "examples/tiny/ft")
+    name = "model.layers.1.mlp.up_proj.weight"
+    ft[name][3, 5] = float("nan")
+    write_checkpoint(tmp_path / "bad", sorted(ft.items()), config=CFG.to_hf("float32"))
+    out = tmp_path / "o"
+    res = cli(
+        "merge", "--method", "ties", tree / "examples/tiny/base", tree / "examples/tiny/ft", tmp_path / "bad",
+        "--out", out, "--quiet",
+    )  # fmt: skip
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and name in lines[0] and "fine-tune #2" in lines[0] and "NaN" in lines[0]
+    assert not out.exists() and not any(tmp_path.glob("o.*"))
+
+
+def test_report_outside_out_carries_the_merge_summary(tree, tmp_path):
+    rp = tmp_path / "report.json"
+    res = cli(
+        "merge", "--method", "dare-linear", "--density", "0.5", tree / "examples/tiny/base",
+        tree / "examples/tiny/ft", "--out", tmp_path / "o", "--report", rp, "--quiet",
+    )  # fmt: skip
+    assert res.exit_code == 0, res.output
+    doc = json.loads(rp.read_text())
+    assert doc["merge"]["kept_fraction"][0] == pytest.approx(0.5, abs=0.01)
+    assert not (tmp_path / "o" / "dghard_report.json").exists()

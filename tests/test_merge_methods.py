@@ -108,7 +108,9 @@ def test_ties(models, tmp_path, n):
 def test_ties_in_row_blocks(models, tmp_path):
     """Tensors too large for one block: whole-tensor selection, then trimming block by block."""
     w = [1.0, 0.5, 2.0]
-    _, merged = run_merge(models, tmp_path / "o", "ties", 3, weights=w, density=0.3, block_bytes=4096)
+    _, merged = run_merge(
+        models, tmp_path / "o", "ties", 3, weights=w, density=0.3, block_bytes=4096, whole_bytes=0
+    )
     check_all(models, merged, 3, lambda name, b, fs: M.ref_ties(b, fs, w, 0.3, 1.0))
 
 

@@ -34,6 +34,9 @@ from .dg_hard import delta_blocks, delta_spectrum
 from .task_arithmetic import task_arithmetic_delta
 
 BLOCK_BYTES = 64 * 1024 * 1024
+#: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
+#: fit in this; larger tensors select on the whole delta, then trim row block by row block.
+WHOLE_BYTES = 256 * 1024 * 1024
 
 
 def work_dtype(job: TensorJob) -> torch.dtype:
@@ -237,10 +240,12 @@ class ElementwiseMergeOp:
         make_kernel: Callable[[TensorJob], Kernel],
         device: torch.device,
         block_bytes: int = BLOCK_BYTES,
+        whole_bytes: int = WHOLE_BYTES,
     ) -> None:
         self.make_kernel = make_kernel
         self.device = device
         self.block_bytes = block_bytes
+        self.whole_bytes = max(whole_bytes, block_bytes)
 
     def _read(self, job: TensorJob, src: Sources, key: str, rows, wd: torch.dtype) -> torch.Tensor:
         full = rows is None and job.shared_rows is not None
@@ -265,8 +270,11 @@ class ElementwiseMergeOp:
         n = len(job.fts)
         kernel = self.make_kernel(job)
         itemsize = torch.empty((), dtype=wd).element_size()
-        blocks = row_blocks(job, self.block_bytes, itemsize * (n + 2))
-        whole = blocks == [None]
+        per_entry = itemsize * (n + 2)
+        whole = kernel.needs_whole and merged_numel(job) * per_entry <= self.whole_bytes
+        blocks = [None] if whole else row_blocks(job, self.block_bytes, per_entry)
+        if job.shared_rows is not None and whole:
+            blocks = [(0, job.shared_rows)]
         if kernel.needs_whole and not whole:
             b = self._read(job, src, "base", None, wd)
             for i in range(n):
@@ -284,7 +292,7 @@ class ElementwiseMergeOp:
                 if not math.isfinite(sq):
                     raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
                 sumsq[i] += sq
-                if kernel.needs_whole and whole:
+                if whole:
                     assert isinstance(kernel, TiesKernel)
                     kernel.trim_whole(i, d, self._exact(job, src, i))
                 deltas.append(d)
