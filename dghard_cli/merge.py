@@ -19,6 +19,7 @@ fine-tune-only tensors keep the first fine-tune's value.
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +40,7 @@ from .methods.merge_ops import (
     WiseFTKernel,
     merged_numel,
 )
+from .output import check_out_path
 from .plan import Eligibility, PolicyOptions, build_plan, matrix_eligibility
 from .runner import RunOptions, write_model
 from .safetensors_format import FLOAT_DTYPES
@@ -272,7 +274,7 @@ def _summary(method: str, records: list[dict], p: dict) -> dict:
         if spectral:
             n_fts = len(p["weights"])
             out["median_rank_kept"] = [
-                sorted(r["ranks"][i] for r in spectral)[len(spectral) // 2] for i in range(n_fts)
+                statistics.median(r["ranks"][i] for r in spectral) for i in range(n_fts)
             ]
     return out
 
@@ -314,7 +316,11 @@ def merge(
         timings = {"plan": time.perf_counter() - t0}
         recall_w = None
         extra: dict = {}
+        if opts.create_parents and not opts.run.dry_run:
+            Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
         if method == "recall" and not opts.run.dry_run:
+            # refuse a bad OUT before minutes of forward passes (write_model checks it again)
+            check_out_path(Path(out), [base_ck.path, *[f.path for f in ft_cks]], overwrite=opts.run.overwrite)
             t1 = time.perf_counter()
             recall_w = recall_weights(
                 base_ck, ft_cks, opts.recall or RecallOptions(), opts.calib, resolve_device(opts.run.device)
@@ -322,8 +328,6 @@ def merge(
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
         parameters = {**p, **policy_parameters(opts.policy)}
-        if opts.create_parents and not opts.run.dry_run:
-            Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
 
         def extra_report() -> dict:
             return extra

@@ -4,7 +4,9 @@ An elementwise merge (WiSE-FT, task arithmetic, TIES, DARE, DARE-TIES, RECALL) i
 that maps the fine-tunes' delta blocks to the merged delta block; :class:`ElementwiseMergeOp`
 reads BASE and every fine-tune in row blocks (all inputs streamed together, tensor by tensor),
 forms Δ_i = W_i − W_base in the work dtype, applies the kernel and yields ``W_base + merged``
-in the output dtype. TIES first makes one whole-tensor pass per fine-tune to select its top-k.
+in the output dtype. TIES needs each delta whole to select its top-k: tensors up to
+``WHOLE_BYTES`` of work copies are processed whole (select and trim in one pass); larger ones
+are selected on the whole delta first, then trimmed row block by row block.
 
 Work dtype: float32 (float64 when an input is stored in float64). The difference of two
 bf16/fp16 numbers is exact in float32; that of two float32 numbers is rounded once, and TIES'
