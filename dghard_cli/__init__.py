@@ -19,6 +19,7 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 __version__ = "0.1.0"
 
 from .errors import CheckFailed, DGHardError, InputError, RuntimeFailure  # noqa: E402
+from .merge import MergeOptions, merge  # noqa: E402
 from .plan import PolicyOptions  # noqa: E402
 from .repair import RepairOptions, repair  # noqa: E402
 from .runner import RunOptions  # noqa: E402
@@ -28,6 +29,8 @@ __all__ = [
     "__version__",
     "repair",
     "RepairOptions",
+    "merge",
+    "MergeOptions",
     "RunOptions",
     "PolicyOptions",
     "ShrinkSpec",

@@ -206,11 +206,14 @@ def make_pair(
     ft_vocab: int | None = None,
     ft_files: dict[str, str] | None = None,
     base_files: dict[str, str] | None = None,
+    delta_seed: int | None = None,
 ) -> tuple[Path, Path]:
     """Write ``root/base`` and ``root/ft``; returns their paths.
 
     ``ft_vocab`` resizes the fine-tune's embeddings (new rows random). Values are generated
-    in float64 and rounded once to ``dtype``.
+    in float64 and rounded once to ``dtype``. ``delta_seed`` (default: ``seed``) seeds the
+    fine-tune's change alone, so several fine-tunes of one base are ``make_pair`` calls with
+    the same ``seed`` and different ``delta_seed``s.
     """
     cfg = cfg or ArchConfig()
     dm = delta or DeltaModel()
@@ -219,7 +222,7 @@ def make_pair(
     base_list, ft_list = [], []
     for name, shape in layout:
         b = base_tensor(name, shape, seed, dm)
-        f = ft_tensor(name, shape, b, seed, dm)
+        f = ft_tensor(name, shape, b, seed if delta_seed is None else delta_seed, dm)
         if (
             ft_vocab is not None
             and len(shape) == 2

@@ -1,0 +1,420 @@
+"""Per-tensor pipeline operations for ``dghard merge``.
+
+An elementwise merge (WiSE-FT, task arithmetic, TIES, DARE, DARE-TIES, RECALL) is a *kernel*
+that maps the fine-tunes' delta blocks to the merged delta block; :class:`ElementwiseMergeOp`
+reads BASE and every fine-tune in row blocks (all inputs streamed together, tensor by tensor),
+forms Δ_i = W_i − W_base in the work dtype, applies the kernel and yields ``W_base + merged``
+in the output dtype. TIES needs each delta whole to select its top-k: tensors up to
+``WHOLE_BYTES`` of work copies are processed whole (select and trim in one pass); larger ones
+are selected on the whole delta first, then trimmed row block by row block.
+
+Work dtype: float32 (float64 when an input is stored in float64). The difference of two
+bf16/fp16 numbers is exact in float32; that of two float32 numbers is rounded once, and TIES'
+top-k stays exact anyway (see :mod:`dghard_cli.methods.ties`: the few entries whose rounded
+magnitude equals the rounded threshold are ranked by their float64 magnitude).
+
+:class:`SpectralMergeOp` is DG-Hard in merge: each Δ_i of an eligible matrix is filtered as in
+``repair`` (same spectra, same projector), then combined by task arithmetic; tensors that are
+not eligible matrices get plain task arithmetic.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Sequence
+
+import torch
+
+from ..errors import InputError, RuntimeFailure
+from ..pipeline import Sources, cast_out
+from ..plan import TensorJob
+from ..safetensors_format import torch_dtype
+from ..spectral import ROUTE, Projector, ShrinkSpec, filter_spectrum
+from . import ties as T
+from .dare import DareStream
+from .dg_hard import delta_blocks, delta_spectrum
+from .task_arithmetic import task_arithmetic_delta
+
+BLOCK_BYTES = 64 * 1024 * 1024
+#: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
+#: fit in this; larger tensors select on the whole delta, then trim row block by row block.
+WHOLE_BYTES = 256 * 1024 * 1024
+
+
+def work_dtype(job: TensorJob) -> torch.dtype:
+    infos = [*job.fts, *([job.base] if job.base is not None else [])]
+    return torch.float64 if any(i.dtype == "F64" for i in infos) else torch.float32
+
+
+def merged_rows(job: TensorJob) -> int | None:
+    """Rows the method covers (the shared rows of a resized vocabulary), None for 0-/1-D."""
+    if len(job.shape) < 2:
+        return None
+    return job.shared_rows if job.shared_rows is not None else job.shape[0]
+
+
+def merged_numel(job: TensorJob) -> int:
+    rows = merged_rows(job)
+    if rows is None:
+        return math.prod(job.shape)
+    return rows * math.prod(job.shape[1:])
+
+
+def row_blocks(job: TensorJob, block_bytes: int, itemsize: int) -> list[tuple[int, int] | None]:
+    rows = merged_rows(job)
+    if rows is None:
+        return [None]
+    row_elems = max(1, math.prod(job.shape[1:]))
+    step = max(1, block_bytes // (row_elems * itemsize))
+    if job.shared_rows is None and step >= rows:
+        return [None]
+    return [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
+
+
+class Kernel:
+    """Maps the fine-tunes' delta blocks (row-major order) to the merged delta block."""
+
+    needs_whole = False
+
+    def prepare(self, i: int, base: torch.Tensor, ft: torch.Tensor) -> None:  # pragma: no cover
+        """See the whole W_base and W_i once before the blocks (TIES: select Δ_i's top-k)."""
+
+    def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    def stats(self) -> dict:
+        return {}
+
+
+class WiseFTKernel(Kernel):
+    def __init__(self, alpha: float) -> None:
+        self.alpha = alpha
+
+    def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        return deltas[0] * self.alpha
+
+
+class TaskArithmeticKernel(Kernel):
+    def __init__(self, weights: Sequence[float], lam: float) -> None:
+        self.weights, self.lam = list(weights), lam
+
+    def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        return task_arithmetic_delta(deltas, self.weights, self.lam)
+
+
+class _Election:
+    """Sign election + disjoint mean over blocks, counting conflicts for the report."""
+
+    def __init__(self, weights: Sequence[float], lam: float) -> None:
+        self.weights, self.lam = list(weights), lam
+        self.counts: dict = {}
+        self.numel = 0
+
+    def __call__(self, trimmed: list[torch.Tensor]) -> torch.Tensor:
+        self.numel += trimmed[0].numel()
+        return T.ties_delta(trimmed, self.weights, self.lam, self.counts)
+
+    def stats(self) -> dict:
+        conflicts = self.counts.get("sign_conflicts", 0)
+        return {
+            "sign_conflicts": conflicts,
+            "sign_conflict_fraction": conflicts / self.numel if self.numel else 0.0,
+        }
+
+
+class TiesKernel(Kernel):
+    """TIES. Whole tensors (the usual case): one pass per delta selects and trims in place.
+    Tensors in row blocks: :meth:`prepare` selects on the whole delta, :meth:`block` trims."""
+
+    needs_whole = True
+
+    def __init__(self, weights: Sequence[float], lam: float, density: float, numel: int) -> None:
+        self.n = len(weights)
+        self.k = T.keep_count(numel, density)
+        self.numel = numel
+        self.sel: list[T.TopK | None] = [None] * self.n
+        self.masks: list[T.TopKMask | None] = [None] * self.n
+        self.election = _Election(weights, lam)
+
+    @staticmethod
+    def _exact(base: torch.Tensor, ft: torch.Tensor) -> T.ExactMagnitudes:
+        b, f = base.reshape(-1), ft.reshape(-1)
+
+        def exact(pos: torch.Tensor) -> torch.Tensor:
+            p = pos.to(b.device)
+            return (f[p].to(torch.float64) - b[p].to(torch.float64)).abs()
+
+        return exact
+
+    def prepare(self, i: int, base: torch.Tensor, ft: torch.Tensor) -> None:
+        self.sel[i] = T.select_topk((ft - base).abs_(), self.k, self._exact(base, ft))
+        self.masks[i] = T.TopKMask(self.sel[i])
+
+    def trim_whole(self, i: int, delta: torch.Tensor, exact: T.ExactMagnitudes) -> None:
+        """Select and trim a whole Δ_i in place (``exact``: its unrounded magnitudes)."""
+        mag = delta.abs()
+        sel = T.select_topk(mag, self.k, exact)
+        self.sel[i] = sel
+        delta.masked_fill_(~T.selection_mask(mag, sel), 0)
+
+    def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        for m, d in zip(self.masks, deltas, strict=True):
+            if m is not None:  # row blocks: trim with the whole-tensor selection
+                d.masked_fill_(~m(d.abs()), 0)
+        return self.election(deltas)
+
+    def stats(self) -> dict:
+        kept = [
+            (m.kept if m is not None else (s.kept if s else 0))
+            for m, s in zip(self.masks, self.sel, strict=True)
+        ]
+        return {
+            "kept": kept,
+            "kept_fraction": [k / self.numel if self.numel else 0.0 for k in kept],
+            "threshold": [float(s.threshold) if s and s.k else None for s in self.sel],
+            **self.election.stats(),
+        }
+
+
+class DareKernel(Kernel):
+    """DARE on each delta, then task arithmetic (``ties=False``) or TIES' election (``ties=True``)."""
+
+    def __init__(
+        self,
+        weights: Sequence[float],
+        lam: float,
+        density: float,
+        seed: int,
+        name: str,
+        numel: int,
+        *,
+        ties: bool,
+    ) -> None:
+        self.weights, self.lam = list(weights), lam
+        self.streams = [DareStream(seed, name, i, density, numel) for i in range(len(weights))]
+        self.numel = numel
+        self.election = _Election(weights, lam) if ties else None
+
+    def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        dropped = [s(d) for s, d in zip(self.streams, deltas, strict=True)]
+        if self.election is not None:
+            return self.election(dropped)
+        return task_arithmetic_delta(dropped, self.weights, self.lam)
+
+    def stats(self) -> dict:
+        kept = [s.kept for s in self.streams]
+        out = {"kept": kept, "kept_fraction": [k / self.numel if self.numel else 0.0 for k in kept]}
+        if self.election is not None:
+            out.update(self.election.stats())
+        return out
+
+
+class LayerWeightsKernel(Kernel):
+    """RECALL: ``Σ_i α_{l,i}·Δ_i`` with the weights of the tensor's layer."""
+
+    def __init__(self, group: str, weights: Sequence[float]) -> None:
+        self.group = group
+        self.alpha = list(weights)  # [α_base, α_ft1, …]
+
+    def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
+        return task_arithmetic_delta(deltas, self.alpha[1:], 1.0)
+
+    def stats(self) -> dict:
+        return {"recall_group": self.group, "recall_weights": self.alpha}
+
+
+def _sumsq(t: torch.Tensor) -> float:
+    """‖t‖² in one pass with no temporary; NaN/Inf anywhere in ``t`` make it non-finite."""
+    flat = t.reshape(-1)
+    return float(torch.dot(flat, flat)) if flat.numel() else 0.0
+
+
+def _nonfinite_input(job: TensorJob, b: torch.Tensor, f: torch.Tensor, i: int) -> InputError:
+    which = "BASE" if not bool(torch.isfinite(b).all()) else f"fine-tune #{i + 1}"
+    return InputError(f"tensor {job.name!r} in {which} contains NaN or Inf; fix the checkpoint")
+
+
+class ElementwiseMergeOp:
+    """Streams BASE and all fine-tunes through an elementwise :class:`Kernel`."""
+
+    def __init__(
+        self,
+        make_kernel: Callable[[TensorJob], Kernel],
+        device: torch.device,
+        block_bytes: int = BLOCK_BYTES,
+        whole_bytes: int = WHOLE_BYTES,
+    ) -> None:
+        self.make_kernel = make_kernel
+        self.device = device
+        self.block_bytes = block_bytes
+        self.whole_bytes = max(whole_bytes, block_bytes)
+
+    def _read(self, job: TensorJob, src: Sources, key: str, rows, wd: torch.dtype) -> torch.Tensor:
+        full = rows is None and job.shared_rows is not None
+        r = (0, job.shared_rows) if full else rows
+        t = src.base(r) if key == "base" else src.ft(int(key[2:]), r)
+        return t.to(device=self.device, dtype=wd)
+
+    @staticmethod
+    def _exact(job: TensorJob, src: Sources, i: int) -> T.ExactMagnitudes:
+        """|W_i − W_base| in float64 at flat positions, read from the inputs when asked."""
+        rows = (0, job.shared_rows) if job.shared_rows is not None else None
+
+        def exact(pos: torch.Tensor) -> torch.Tensor:
+            b = src.base(rows).reshape(-1)[pos].to(torch.float64)
+            f = src.ft(i, rows).reshape(-1)[pos].to(torch.float64)
+            return (f - b).abs()
+
+        return exact
+
+    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+        wd = work_dtype(job)
+        n = len(job.fts)
+        kernel = self.make_kernel(job)
+        itemsize = torch.empty((), dtype=wd).element_size()
+        per_entry = itemsize * (n + 2)
+        whole = kernel.needs_whole and merged_numel(job) * per_entry <= self.whole_bytes
+        blocks = [None] if whole else row_blocks(job, self.block_bytes, per_entry)
+        if job.shared_rows is not None and whole:
+            blocks = [(0, job.shared_rows)]
+        if kernel.needs_whole and not whole:
+            b = self._read(job, src, "base", None, wd)
+            for i in range(n):
+                kernel.prepare(i, b, self._read(job, src, f"ft{i}", None, wd))
+            del b
+        sumsq = [0.0] * n
+        merged_sq = 0.0
+        for rows in blocks:
+            b = self._read(job, src, "base", rows, wd)
+            deltas = []
+            for i in range(n):
+                # never in place: a read may be a view of the input's buffer
+                d = torch.sub(self._read(job, src, f"ft{i}", rows, wd), b)
+                sq = _sumsq(d)  # Δ is finite iff BASE and FT are (inf − x, x − inf, nan: not)
+                if not math.isfinite(sq):
+                    raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
+                sumsq[i] += sq
+                if whole:
+                    assert isinstance(kernel, TiesKernel)
+                    kernel.trim_whole(i, d, self._exact(job, src, i))
+                deltas.append(d)
+            merged = kernel.block(deltas)
+            del deltas
+            msq = _sumsq(merged)
+            if not math.isfinite(msq):
+                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
+            merged_sq += msq
+            out = cast_out(merged.add_(b).cpu(), job.out_dtype)
+            del merged
+            if job.out_dtype == "F16" and not bool(torch.isfinite(out).all()):
+                raise RuntimeFailure(
+                    f"tensor {job.name!r}: the merged values overflow float16; use --dtype bf16"
+                )
+            yield out
+        if job.shared_rows is not None and job.shape[0] > job.shared_rows:
+            yield cast_out(src.ft(0, (job.shared_rows, job.shape[0])), job.out_dtype)
+        rec["delta_norms"] = [math.sqrt(s) for s in sumsq]
+        rec["delta_norm"] = rec["delta_norms"][0]
+        rec["merged_delta_norm"] = math.sqrt(merged_sq)
+        rec.update(kernel.stats())
+
+
+def _identity_projector(m: int, device: torch.device) -> Projector:
+    return Projector(
+        c=1.0,
+        vs=torch.zeros((m, 0), dtype=torch.float64, device=device),
+        d=torch.zeros(0, dtype=torch.float64, device=device),
+    )
+
+
+class SpectralMergeOp:
+    """DG-Hard in merge: ``W_base + λ·Σ_i w_i·Δ_i*`` on eligible matrices, task arithmetic elsewhere."""
+
+    def __init__(
+        self,
+        spec: ShrinkSpec,
+        weights: Sequence[float],
+        lam: float,
+        device: torch.device,
+        is_matrix: Callable[[TensorJob], bool],
+        block_bytes: int = BLOCK_BYTES,
+    ) -> None:
+        self.spec = spec
+        self.weights, self.lam = list(weights), lam
+        self.device = device
+        self.is_matrix = is_matrix
+        self.block_bytes = block_bytes
+        self.fallback = ElementwiseMergeOp(
+            lambda job: TaskArithmeticKernel(self.weights, self.lam), device, block_bytes
+        )
+
+    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+        if not self.is_matrix(job):
+            rec["merge_rule"] = "task-arithmetic"
+            yield from self.fallback(job, src, rec)
+            return
+        rec["merge_rule"] = "dg-hard"
+        dev = self.device
+        projectors: list[Projector | None] = []
+        per_ft: list[dict] = []
+        norms: list[float] = []
+        for i, info in enumerate(job.fts):
+            ds = delta_spectrum(job, src, dev, self.block_bytes, ft=i)
+            norms.append(math.sqrt(max(ds.fro2, 0.0)))
+            if ds.spectrum is None:
+                projectors.append(None)
+                per_ft.append({"decision": "unchanged", "rank_kept": 0})
+                continue
+            filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=info.dtype, rms_ft=ds.rms_ft)
+            st = filt.stats
+            entry = {
+                "rank_kept": st["rank_kept"],
+                "tau": float(f"{st['tau']:.10g}"),
+                "median_sv": float(f"{st['median_sv']:.10g}"),
+                "energy_kept": float(f"{st['energy_kept']:.10g}"),
+                "decision": "filtered",
+            }
+            if self.spec.noise == "median" and st.get("low_rank"):
+                entry["decision"] = "low-rank (kept whole)"
+                entry["rank_kept"] = int(st["low_rank"])
+                entry["energy_kept"] = 1.0
+                projectors.append(_identity_projector(ds.spectrum.vectors.shape[0], dev))
+            else:
+                projectors.append(Projector.from_weights(ds.spectrum, filt.weights))
+            per_ft.append(entry)
+        rec["delta_norms"] = norms
+        rec["delta_norm"] = norms[0]
+        rec["ranks"] = [e["rank_kept"] for e in per_ft]
+        rec["spectral"] = per_ft
+        rec["route"] = ROUTE
+
+        rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
+        cols = job.shape[1]
+        tall = rows >= cols
+        out_dtype = torch_dtype(job.out_dtype)
+        gens = [delta_blocks(src, rows, cols, dev, self.block_bytes, ft=i) for i in range(len(job.fts))]
+        full = None if tall else torch.empty((rows, cols), dtype=out_dtype, device=dev)
+        for parts in zip(*gens, strict=True):
+            rng = parts[0][0]
+            b64 = parts[0][1].to(torch.float64)
+            acc = torch.zeros_like(b64 if tall else b64.T)
+            for (_, _, f), proj, w in zip(parts, projectors, self.weights, strict=True):
+                if proj is None or proj.zero or w == 0:
+                    continue
+                x = f.to(torch.float64) - b64
+                acc.add_(proj.apply(x if tall else x.T), alpha=w)
+            if self.lam != 1.0:
+                acc.mul_(self.lam)
+            out = b64 + (acc if tall else acc.T)
+            if not math.isfinite(_sumsq(out)):
+                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
+            out = out.to(out_dtype)
+            if tall:
+                yield out.cpu()
+            else:
+                assert full is not None
+                full[:, rng[0] : rng[1]] = out
+        if full is not None:
+            yield full.cpu()
+        if job.shared_rows is not None and job.shape[0] > rows:
+            yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)

@@ -1,0 +1,32 @@
+"""Task arithmetic (Ilharco et al., 2023): a weighted sum of task vectors.
+
+    W = W_base + λ·Σ_i w_i·Δ_i,   Δ_i = W_i − W_base.
+
+Negative weights subtract a task vector (negation, "forgetting" a task on purpose).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def weighted_sum(deltas: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """``Σ_i w_i·Δ_i`` (a new tensor; the inputs are not modified)."""
+    if len(deltas) != len(weights) or not deltas:
+        raise ValueError("one weight per delta, at least one delta")
+    out = deltas[0] * weights[0]
+    for d, w in zip(deltas[1:], weights[1:], strict=True):
+        out.add_(d, alpha=w)
+    return out
+
+
+def task_arithmetic_delta(
+    deltas: Sequence[torch.Tensor], weights: Sequence[float], lam: float
+) -> torch.Tensor:
+    """The merged delta ``λ·Σ_i w_i·Δ_i`` (add it to W_base)."""
+    out = weighted_sum(deltas, weights)
+    if lam != 1.0:
+        out.mul_(lam)
+    return out

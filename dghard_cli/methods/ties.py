@@ -1,0 +1,244 @@
+"""TIES-merging (Yadav et al., 2023): trim, elect sign, disjoint mean.
+
+Per tensor, with Δ_i = W_i − W_base and weights w_i ≥ 0:
+
+1. **trim**: keep the ``k = max(1, ⌊density·n⌋)`` entries of Δ_i with the largest magnitude,
+   zero the rest. The k-th largest magnitude is found by selection (``torch.kthvalue``,
+   O(n)), never by sorting the tensor. Entries equal to the threshold are kept in row-major
+   order until exactly k are kept, so the result is deterministic;
+2. **elect**: the sign of ``Σ_i w_i·trim(Δ_i)`` per entry (zero counts as +);
+3. **disjoint mean**: the w-weighted mean of the trimmed entries whose sign equals the elected
+   one — zeros and zero-weight deltas never agree — or 0 where none agrees;
+4. W = W_base + λ·(disjoint mean).
+
+**Exact selection on rounded magnitudes.** The magnitudes may be rounded (Δ of two float32
+numbers formed in float32). Rounding is monotone, so the k-th largest rounded magnitude is the
+rounding ``t̃`` of the exact threshold, every entry rounded above ``t̃`` is exactly above every
+entry rounded to ``t̃``, and every entry rounded below is exactly below. Only the (few) entries
+whose rounded magnitude equals ``t̃`` are ambiguous: :func:`select_topk` ranks those by their
+exact magnitude (a float64 callback) and then by row-major position. The selection is then
+the exact top-k of the exact magnitudes, at the cost of one float32 selection.
+
+Everything here is a pure function of tensors, except :class:`TopKMask`, which applies a
+selection to the consecutive row blocks of a tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+#: ``exact(positions) -> float64 magnitudes`` at flat positions (ranks the ambiguous entries).
+ExactMagnitudes = Callable[[torch.Tensor], torch.Tensor]
+
+
+def keep_count(numel: int, density: float) -> int:
+    """How many entries a ``density`` keeps: ``max(1, ⌊density·n⌋)``; all for density ≥ 1."""
+    if numel <= 0 or density <= 0:
+        return 0
+    if density >= 1:
+        return numel
+    return max(1, int(density * numel))
+
+
+@dataclass(frozen=True)
+class TopK:
+    """An exact top-k selection: entries above ``threshold``, plus the listed ones equal to it."""
+
+    k: int
+    numel: int
+    threshold: torch.Tensor  # 0-d: the k-th largest (rounded) magnitude
+    keep_equal: torch.Tensor  # sorted flat positions of the kept entries equal to the threshold
+    equal: int  # how many entries equal the threshold
+    above: int  # how many entries are above it
+
+    @property
+    def kept(self) -> int:
+        return self.above + int(self.keep_equal.numel())
+
+
+_BITS = {torch.float32: (torch.int32, 16), torch.float64: (torch.int64, 48)}
+
+
+def _kth_largest_candidates(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(threshold, entries above it, flat positions equal to it) for the k-th largest of ``flat``.
+
+    ``flat``: 1-D, non-negative. For float32/float64 a radix step narrows the search: the bit
+    pattern of a non-negative IEEE number orders like its value, so a histogram of the top 15
+    value bits (``bincount``) finds the bucket holding the k-th largest, and ``kthvalue`` runs on
+    that bucket only. Other dtypes: ``kthvalue`` on the whole tensor.
+    """
+    n = flat.numel()
+    spec = _BITS.get(flat.dtype)
+    if spec is None or not flat.is_contiguous():
+        t = torch.kthvalue(flat, n - k + 1).values
+        return t, int(torch.count_nonzero(flat > t)), torch.nonzero(flat == t).reshape(-1)
+    int_dtype, shift = spec
+    bucket = flat.view(int_dtype) >> shift  # in [0, 2^15] for finite non-negative values
+    counts = torch.bincount(bucket.reshape(-1), minlength=1 << 15)
+    at_least = torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0])  # entries in buckets >= b
+    b = int(torch.nonzero(at_least >= k).reshape(-1)[-1])
+    above_bucket = int(at_least[b + 1]) if b + 1 < at_least.numel() else 0
+    pos = torch.nonzero(bucket == b).reshape(-1)
+    cand = flat[pos]
+    t = torch.kthvalue(cand, cand.numel() - (k - above_bucket) + 1).values
+    above = above_bucket + int(torch.count_nonzero(cand > t))
+    return t, above, pos[cand == t]
+
+
+def select_topk(magnitude: torch.Tensor, k: int, exact: ExactMagnitudes | None = None) -> TopK:
+    """Exact top-``k`` of a magnitude tensor (any shape, row-major order), with no sort.
+
+    ``exact`` gives the unrounded magnitudes at given flat positions; without it the
+    magnitudes are taken as exact.
+    """
+    flat = magnitude.reshape(-1)
+    n = flat.numel()
+    empty = torch.zeros(0, dtype=torch.long)
+    if k <= 0 or n == 0:
+        return TopK(0, n, flat.new_tensor(float("inf")), empty, 0, 0)
+    k = min(k, n)
+    if k < n:
+        threshold, above, equal_pos = _kth_largest_candidates(flat, k)
+    else:
+        threshold = flat.min()
+        above = int(torch.count_nonzero(flat > threshold))
+        equal_pos = torch.nonzero(flat == threshold).reshape(-1)
+    equal_pos = equal_pos.cpu()  # ascending: row-major order
+    r = k - above
+    if r >= equal_pos.numel():
+        keep = equal_pos
+    else:
+        values = exact(equal_pos) if exact is not None else flat[equal_pos.to(flat.device)]
+        values = values.to(torch.float64).cpu()
+        order = torch.argsort(-values, stable=True)  # larger first; equal: row-major first
+        keep = torch.sort(equal_pos[order[:r]]).values
+    return TopK(k, n, threshold, keep, int(equal_pos.numel()), above)
+
+
+def selection_mask(magnitude: torch.Tensor, sel: TopK) -> torch.Tensor:
+    """The kept entries of a whole tensor (``magnitude`` as given to :func:`select_topk`)."""
+    return TopKMask(sel, count=False)(magnitude)
+
+
+class TopKMask:
+    """Applies a :class:`TopK` to consecutive row blocks (row-major order) of the same tensor."""
+
+    def __init__(self, sel: TopK, *, count: bool = True) -> None:
+        self.sel = sel
+        self.pos = 0
+        self.kept = 0
+        self.count = count
+
+    def __call__(self, magnitude: torch.Tensor) -> torch.Tensor:
+        sel = self.sel
+        n = magnitude.numel()
+        if sel.k == 0:
+            mask = torch.zeros_like(magnitude, dtype=torch.bool)
+        else:
+            mask = magnitude > sel.threshold.to(magnitude.device)
+            keep = sel.keep_equal
+            lo = int(torch.searchsorted(keep, self.pos))
+            hi = int(torch.searchsorted(keep, self.pos + n))
+            if hi > lo:
+                mask.view(-1)[(keep[lo:hi] - self.pos).to(mask.device)] = True
+        self.pos += n
+        if self.count:
+            self.kept += int(torch.count_nonzero(mask))
+        return mask
+
+
+def topk_mask(magnitude: torch.Tensor, k: int, exact: ExactMagnitudes | None = None) -> torch.Tensor:
+    """Boolean mask of the exact top-``k`` magnitudes (ties: first in row-major order)."""
+    return TopKMask(select_topk(magnitude, k, exact))(magnitude)
+
+
+def trim(delta: torch.Tensor, density: float) -> torch.Tensor:
+    """Δ with all but its ``keep_count(n, density)`` largest-magnitude entries set to zero."""
+    mask = topk_mask(delta.abs(), keep_count(delta.numel(), density))
+    return torch.where(mask, delta, torch.zeros((), dtype=delta.dtype, device=delta.device))
+
+
+def elect_sign(trimmed: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """+1/−1 per entry: the sign of ``Σ_i w_i·trimmed_i``, zero counting as +1."""
+    total = trimmed[0] * weights[0]
+    for t, w in zip(trimmed[1:], weights[1:], strict=True):
+        total.add_(t, alpha=w)
+    # copysign(1, x): +1 for x >= +0; −0 only arises when every term is zero (nothing agrees)
+    return torch.copysign(torch.ones_like(total), total)
+
+
+def disjoint_mean(
+    trimmed: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    sign: torch.Tensor,
+    stats: dict | None = None,
+) -> torch.Tensor:
+    """``Σ_i w_i·t_i·[agree_i] / Σ_i w_i·[agree_i]`` per entry, 0 where nothing agrees.
+
+    ``agree_i``: ``t_i`` is non-zero with the elected sign (weights must be ≥ 0; a zero weight
+    never agrees). With ``stats``, adds ``sign_conflicts``: entries where a non-zero entry of a
+    weighted delta has the other sign.
+    """
+    if any(w < 0 for w in weights):
+        raise ValueError("disjoint_mean takes weights >= 0")
+    num: torch.Tensor | None = None  # Σ w_i·|t_i| over agreeing entries
+    den: torch.Tensor | None = None
+    conflict = None
+    for t, w in zip(trimmed, weights, strict=True):
+        if w == 0:
+            continue
+        p = t * sign  # > 0: agrees (and equals |t|); < 0: disagrees
+        agree = p > 0
+        if stats is not None:
+            dis = p < 0
+            conflict = dis if conflict is None else conflict.logical_or_(dis)
+        p.clamp_(min=0)
+        if num is None:
+            num = p.mul_(w) if w != 1 else p
+            den = agree.to(p.dtype).mul_(w)
+        else:
+            num.add_(p, alpha=w)
+            assert den is not None
+            den.add_(agree, alpha=w)
+    if num is None or den is None:  # every weight is zero
+        return torch.zeros_like(sign)
+    den.masked_fill_(den == 0, 1)  # nothing agrees: num is 0 there
+    if stats is not None and conflict is not None:
+        stats["sign_conflicts"] = stats.get("sign_conflicts", 0) + int(torch.count_nonzero(conflict))
+    return num.div_(den).mul_(sign)
+
+
+def sign_conflicts(trimmed: Sequence[torch.Tensor]) -> int:
+    """Entries where two trimmed deltas are non-zero with opposite signs."""
+    pos = torch.zeros_like(trimmed[0], dtype=torch.bool)
+    neg = torch.zeros_like(trimmed[0], dtype=torch.bool)
+    for t in trimmed:
+        pos |= t > 0
+        neg |= t < 0
+    return int(torch.count_nonzero(pos & neg))
+
+
+def ties_delta(
+    trimmed: Sequence[torch.Tensor], weights: Sequence[float], lam: float, stats: dict | None = None
+) -> torch.Tensor:
+    """Sign election and disjoint mean of already trimmed (or DARE-dropped) deltas, times λ."""
+    sign = elect_sign(trimmed, weights)
+    out = disjoint_mean(trimmed, weights, sign, stats)
+    if lam != 1.0:
+        out.mul_(lam)
+    return out
+
+
+def ties_merge(
+    base: torch.Tensor,
+    fts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    density: float,
+    lam: float = 1.0,
+) -> torch.Tensor:
+    """TIES on whole tensors: ``W_base + λ·disjoint_mean(elect(trim(Δ_i)))``."""
+    trimmed = [trim(f - base, density) for f in fts]
+    return base + ties_delta(trimmed, weights, lam)
