@@ -378,7 +378,7 @@ class SpectralMergeOp:
                 entry["decision"] = "low-rank (kept whole)"
                 entry["rank_kept"] = int(st["low_rank"])
                 entry["energy_kept"] = 1.0
-                projectors.append(_identity_projector(ds.spectrum.vectors.shape[0], dev))
+                projectors.append(_identity_projector(ds.spectrum.small, dev))
             else:
                 projectors.append(Projector.from_weights(ds.spectrum, filt.weights))
             per_ft.append(entry)
