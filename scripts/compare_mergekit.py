@@ -139,7 +139,7 @@ def ambiguous_positions(base, fts, density: float):
     n = base.numel()
     k = max(1, int(density * n)) if density < 1 else n
     for f in fts:
-        a = (f - base).abs().reshape(-1)
+        a = (f.float() - base.float()).abs().reshape(-1)  # mergekit's working precision
         if k >= n:
             continue
         t = torch.kthvalue(a, n - k + 1).values
