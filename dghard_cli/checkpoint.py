@@ -145,6 +145,15 @@ def read_json_file(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> object
         raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
 
 
+def path_exists(path: Path) -> bool:
+    """``path.exists()``, but a path the system cannot even look up (a name longer than the
+    filesystem allows, say) is a one-line input error rather than a crash."""
+    try:
+        return path.exists()
+    except OSError as exc:
+        raise InputError(f"{str(path)[:200]}: cannot be looked up ({exc.strerror})") from None
+
+
 def _is_within(path: Path, root: Path) -> bool:
     try:
         path.relative_to(root)
@@ -215,7 +224,7 @@ class Checkpoint:
     # -- discovery and validation ---------------------------------------------------------
     def _discover(self) -> None:
         d = self.path
-        if not d.exists():
+        if not path_exists(d):
             raise InputError(f"{self.label} {d}: no such directory")
         if not d.is_dir():
             raise InputError(f"{self.label} {d}: is a file; pass the checkpoint directory that holds it")

@@ -18,6 +18,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkpoint import path_exists
 from .errors import InputError, RuntimeFailure
 from .safetensors_format import build_header
 
@@ -52,12 +53,12 @@ def check_out_path(out: Path, inputs: list[Path], *, overwrite: bool) -> None:
         real = Path(inp).resolve()
         if out_real == real or _is_within(out_real, real) or _is_within(real, out_real):
             raise InputError(f"output {out} overlaps input {inp}; write the output to its own directory")
-    if out_real.exists():
+    if path_exists(out_real):
         if not out_real.is_dir():
             raise InputError(f"output {out} exists and is not a directory")
         if any(out_real.iterdir()) and not overwrite:
             raise InputError(f"output {out} exists and is not empty; pass --overwrite to replace it")
-    if not out_real.parent.exists():
+    if not path_exists(out_real.parent):
         raise InputError(f"output {out}: parent directory {out_real.parent} does not exist")
 
 

@@ -24,6 +24,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .checkpoint import path_exists
 from .errors import InputError
 from .sources import is_hub_id
 
@@ -119,7 +120,7 @@ def _resolve_model(spec: str, root: Path) -> str:
     if p.is_absolute():
         return str(p)
     candidate = root / p
-    if candidate.exists() or not is_hub_id(spec) or spec.startswith("."):
+    if path_exists(candidate) or not is_hub_id(spec) or spec.startswith("."):
         return os.path.normpath(candidate)
     return spec
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from . import report as report_mod
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, path_exists
 from .device import resolve_device
 from .errors import InputError, Interrupted, RuntimeFailure
 from .output import INDEX_NAME, OutputStage, check_free_space, check_out_path
@@ -120,7 +120,7 @@ def write_model(
     out = Path(out)
     check_out_path(out, [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
     rel_report, abs_report = _report_target(out, run.report_path)
-    if abs_report is not None and not abs_report.parent.exists():
+    if abs_report is not None and not path_exists(abs_report.parent):
         raise InputError(f"--report {run.report_path}: directory {abs_report.parent} does not exist")
 
     common = dict(

@@ -50,7 +50,7 @@ from pathlib import Path
 from typing import NamedTuple, Union
 
 from . import __version__
-from .checkpoint import read_json_file
+from .checkpoint import path_exists, read_json_file
 from .errors import InputError
 
 SCHEMA_VERSION = 1
@@ -310,7 +310,7 @@ def read_results(
     with the metrics chosen for the base).
     """
     p = Path(path).expanduser()
-    if not p.exists():
+    if not path_exists(p):
         raise InputError(f"{label} {path}: no such file or directory")
     if p.is_dir():
         p = find_results_file(p)
@@ -680,7 +680,7 @@ _NAME_SPEC = re.compile(r"^([^=/\\]+)=(.+)$")
 
 def parse_candidate(spec: str) -> tuple[str | None, str]:
     """``NAME=PATH`` or ``PATH`` (a path that exists is never split at '=')."""
-    if Path(spec).expanduser().exists():
+    if path_exists(Path(spec).expanduser()):
         return None, spec
     m = _NAME_SPEC.match(spec)
     if m:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .checkpoint import Checkpoint
+from .checkpoint import Checkpoint, path_exists
 from .errors import InputError
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -38,7 +38,7 @@ def is_hub_id(spec: str) -> bool:
 def resolve_dir(spec: str, *, revision: str | None = None, label: str = "checkpoint") -> Path:
     """A local directory for ``spec``: the path itself, or a Hub snapshot."""
     path = Path(spec).expanduser()
-    if path.exists():
+    if path_exists(path):
         return path
     if spec.startswith((".", "/", "~")) or not is_hub_id(spec):
         raise InputError(

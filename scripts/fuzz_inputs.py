@@ -230,16 +230,14 @@ def _adapter_target():
 
 def _recipe_target():
     try:
-        from dghard_cli import merge
+        from dghard_cli.recipe import load_recipe as load
     except ImportError:
-        return None
-    load = getattr(merge, "load_recipe", None)
-    if load is None:
         return None
 
     def prepare(root: Path) -> None:
         (root / "recipe.yaml").write_text(
-            "method: ties\nbase: base\nmodels:\n  - ft\n  - ft\nweights: [1.0, 0.5]\ndensity: 0.3\nout: merged\n"
+            "method: ties\nbase: base\nmodels:\n  - model: ft\n    weight: 1.0\n  - ft\n"
+            "density: 0.3\nlambda: 1.0\nout: merged\n"
         )
 
     def mutate(rng: random.Random, root: Path) -> str:
@@ -259,7 +257,7 @@ def _recipe_target():
         elif kind == "garbage":
             text = "".join(chr(rng.randrange(1, 255)) for _ in range(rng.randrange(1, 80)))
         elif kind == "value":
-            key = rng.choice(["method", "base", "models", "weights", "density", "out", "lambda", "seed"])
+            key = rng.choice(["method", "base", "models", "weight", "density", "out", "lambda", "seed", "recall"])
             text += f"{key}: {json.dumps(rng.choice(HOSTILE_VALUES))}\n"
         else:
             text = "a: &a [*a, *a]\n" + text

@@ -265,3 +265,63 @@ def test_nonfinite_input_is_an_error_naming_the_tensor_or_passed_through(templat
     assert any("non-finite" in w for w in doc["summary"]["warnings"])
     out = load_file(str(tmp_path / "out" / p.name))
     assert torch.isnan(out[name][3, 5]) and torch.equal(out[onedim], t[onedim])
+
+
+RECIPE_ROWS = [
+    (
+        "python-object-tag",
+        "method: ties\nbase: b\nmodels: [f]\nx: !!python/object/apply:os.system ['touch {canary}']\n",
+        ("not valid YAML",),
+    ),
+    ("python-name-tag", "method: !!python/name:os.system ties\nbase: b\nmodels: [f]\n", ("not valid YAML",)),
+    ("custom-tag", "method: !shell ties\nbase: b\nmodels: [f]\n", ("not valid YAML",)),
+    ("not-a-mapping", "- ties\n- b\n", ("mapping",)),
+    ("unknown-key", "method: ties\nbase: b\nmodels: [f]\nrm_rf: true\n", ("rm_rf",)),
+    ("wrong-type", "method: ties\nbase: b\nmodels: [f]\ndensity: lots\n", ("density",)),
+    ("missing-models", "method: ties\nbase: b\n", ("models",)),
+    ("huge", "method: ties\nbase: b\nmodels: [f]\n# " + "x" * (1 << 21) + "\n", ("1 MiB",)),
+    (
+        "overlong-model-path",
+        "method: ties\nbase: b\nmodels: [" + "x" * 5000 + "]\n",
+        ("cannot be looked up",),
+    ),
+]
+
+
+@pytest.mark.parametrize("row", RECIPE_ROWS, ids=[r[0] for r in RECIPE_ROWS])
+def test_hostile_recipe_rows(tmp_path, row):
+    _, text, needles = row
+    canary = tmp_path / "canary"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(text.replace("{canary}", str(canary)))
+    r = CliRunner().invoke(app, ["merge", "--config", str(recipe)])
+    assert r.exit_code == 2, (r.exit_code, r.stderr, r.exception)
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    assert not canary.exists()  # safe loading only: no tag ever ran
+
+
+@pytest.mark.parametrize(
+    "field,value", [("r", 10**9), ("r", -3), ("lora_alpha", "lots"), ("rank_pattern", {"q_proj": 2**40})]
+)
+def test_hostile_adapter_configs(tmp_path, field, value):
+    from dghard_cli.synthetic_lora import make_adapter
+
+    ad, _, _ = make_adapter(tmp_path / "adapter", CFG, r=4)
+    cfg = json.loads((ad / "adapter_config.json").read_text())
+    cfg[field] = value
+    (ad / "adapter_config.json").write_text(json.dumps(cfg))
+    r = CliRunner().invoke(app, ["audit-lora", str(ad), "--json"])
+    assert r.exit_code in (1, 2), (r.exit_code, r.stdout, r.stderr)
+    if r.exit_code == 2:
+        assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr
+    else:  # reported as an error finding in the one JSON document
+        doc = json.loads(r.stdout)
+        assert any(f["level"] == "error" for f in doc["findings"])
+
+
+def test_overlong_path_names_are_input_errors(tmp_path):
+    r = CliRunner().invoke(app, ["repair", "x" * 5000, str(tmp_path / "ft"), str(tmp_path / "out")])
+    assert r.exit_code == 2 and "cannot be looked up" in r.stderr and len(r.stderr.strip().splitlines()) == 1

@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..checkpoint import read_json_file
+from ..checkpoint import path_exists, read_json_file
 from ..cli_common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
 from ..errors import InputError
 from ..report import SCHEMA_VERSION, summary_table
@@ -29,7 +29,7 @@ def load_report(path: str | Path) -> tuple[Path, dict]:
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / REPORT_NAME
-    if not p.exists():
+    if not path_exists(p):
         raise InputError(f"{path}: no such report file (expected {REPORT_NAME} or a path to one)")
     doc = read_json_file(p, "report")
     if (
