@@ -257,7 +257,9 @@ def _recipe_target():
         elif kind == "garbage":
             text = "".join(chr(rng.randrange(1, 255)) for _ in range(rng.randrange(1, 80)))
         elif kind == "value":
-            key = rng.choice(["method", "base", "models", "weight", "density", "out", "lambda", "seed", "recall"])
+            key = rng.choice(
+                ["method", "base", "models", "weight", "density", "out", "lambda", "seed", "recall"]
+            )
             text += f"{key}: {json.dumps(rng.choice(HOSTILE_VALUES))}\n"
         else:
             text = "a: &a [*a, *a]\n" + text
