@@ -38,6 +38,17 @@ DeviceOpt = Annotated[
 ]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no summary.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail; tracebacks on errors.")]
+BaseArg = Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")]
+FtArg = Annotated[str, typer.Argument(help="Fine-tuned checkpoint: a directory or a Hub id.")]
+IncludeOpt = Annotated[
+    Optional[list[str]], typer.Option(help="Only tensors whose name matches this regex (repeatable).")
+]
+ExcludeOpt = Annotated[
+    Optional[list[str]], typer.Option(help="Skip tensors whose name matches this regex (repeatable).")
+]
+RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision of FT.")]
+BaseRevisionOpt = Annotated[Optional[str], typer.Option("--base-revision", help="Hub revision of BASE.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")]
 JsonOpt = Annotated[
     bool,
     typer.Option(

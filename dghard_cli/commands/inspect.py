@@ -8,7 +8,21 @@ from typing import Annotated, Optional
 
 import typer
 
-from ..cli_common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from ..cli_common import (
+    BaseArg,
+    BaseRevisionOpt,
+    DeviceOpt,
+    ExcludeOpt,
+    FtArg,
+    IncludeOpt,
+    JsonOpt,
+    QuietOpt,
+    RevisionOpt,
+    VerboseOpt,
+    app,
+    emit,
+    run_cli,
+)
 from ..inspect import InspectOptions, inspect_pair, parse_matrices, render
 from ..plan import PolicyOptions
 from ..spectral import ShrinkSpec
@@ -28,14 +42,10 @@ INSPECT_EPILOG = """
 
 @app.command("inspect", epilog=INSPECT_EPILOG)
 def inspect_cmd(
-    base: Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")],
-    ft: Annotated[str, typer.Argument(help="Fine-tuned checkpoint: a directory or a Hub id.")],
-    include: Annotated[
-        Optional[list[str]], typer.Option(help="Only tensors whose name matches this regex (repeatable).")
-    ] = None,
-    exclude: Annotated[
-        Optional[list[str]], typer.Option(help="Skip tensors whose name matches this regex (repeatable).")
-    ] = None,
+    base: BaseArg,
+    ft: FtArg,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     min_numel: Annotated[int, typer.Option(help="Smaller matrices are not analysed (as in repair).")] = 1024,
     scale: Annotated[float, typer.Option(help="Multiplies the threshold τ (1.0 = Gavish–Donoho).")] = 1.0,
     matrices: Annotated[
@@ -50,8 +60,8 @@ def inspect_cmd(
     html: Annotated[
         Optional[Path], typer.Option("--html", help="Write one self-contained HTML page to this file.")
     ] = None,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision of FT.")] = None,
-    base_revision: Annotated[Optional[str], typer.Option(help="Hub revision of BASE.")] = None,
+    revision: RevisionOpt = None,
+    base_revision: BaseRevisionOpt = None,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,

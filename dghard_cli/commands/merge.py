@@ -11,7 +11,17 @@ from rich.console import Console
 from rich.text import Text
 
 from ..calibration import RecallOptions
-from ..cli_common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from ..cli_common import (
+    BaseRevisionOpt,
+    IncludeOpt,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    VerboseOpt,
+    app,
+    emit,
+    run_cli,
+)
 from ..errors import InputError
 from ..merge import METHODS, MergeOptions, merge
 from ..plan import PolicyOptions, parse_size
@@ -146,9 +156,7 @@ def merge_cmd(
     recall_max_tokens: Annotated[
         Optional[int], typer.Option(help="recall: tokens per sample (default 64).")
     ] = None,
-    include: Annotated[
-        Optional[list[str]], typer.Option(help="Only tensors whose name matches this regex (repeatable).")
-    ] = None,
+    include: IncludeOpt = None,
     exclude: Annotated[
         Optional[list[str]],
         typer.Option(help="Tensors matching this regex keep the first fine-tune's value (repeatable)."),
@@ -173,11 +181,11 @@ def merge_cmd(
     resume: Annotated[
         bool, typer.Option("--resume", help="Require resuming an interrupted run of the same command.")
     ] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    overwrite: OverwriteOpt = False,
     allow_missing: Annotated[
         bool, typer.Option("--allow-missing", help="Tensors only in BASE keep their base values.")
     ] = False,
-    base_revision: Annotated[Optional[str], typer.Option(help="Hub revision of BASE.")] = None,
+    base_revision: BaseRevisionOpt = None,
     device: Annotated[
         Optional[str],
         typer.Option("--device", help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present)."),

@@ -10,7 +10,22 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from ..cli_common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from ..cli_common import (
+    BaseArg,
+    BaseRevisionOpt,
+    DeviceOpt,
+    ExcludeOpt,
+    FtArg,
+    IncludeOpt,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    RevisionOpt,
+    VerboseOpt,
+    app,
+    emit,
+    run_cli,
+)
 from ..plan import PolicyOptions, parse_size
 from ..repair import RepairOptions, repair
 from ..runner import RunOptions
@@ -71,8 +86,8 @@ def render_report(console: Console, doc: dict) -> None:
 
 @app.command("repair", epilog=REPAIR_EPILOG)
 def repair_cmd(
-    base: Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")],
-    ft: Annotated[str, typer.Argument(help="Fine-tuned checkpoint: a directory or a Hub id.")],
+    base: BaseArg,
+    ft: FtArg,
     out: Annotated[
         Path, typer.Argument(help="Output directory (must not exist, or be empty, or --overwrite).")
     ],
@@ -91,12 +106,8 @@ def repair_cmd(
     ] = "hard",
     a: Annotated[float, typer.Option("--a", help="twoknob: weight of the spikes (σ > τ).")] = 1.0,
     b: Annotated[float, typer.Option("--b", help="twoknob: weight of the bulk.")] = 0.0,
-    include: Annotated[
-        Optional[list[str]], typer.Option(help="Only tensors whose name matches this regex (repeatable).")
-    ] = None,
-    exclude: Annotated[
-        Optional[list[str]], typer.Option(help="Skip tensors whose name matches this regex (repeatable).")
-    ] = None,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
     min_numel: Annotated[int, typer.Option(help="Smaller matrices keep the fine-tune's value.")] = 1024,
     shard_size: Annotated[
         Optional[str], typer.Option(help="Output shard size, e.g. 5GB (default: mirror FT's shards).")
@@ -118,7 +129,7 @@ def repair_cmd(
             help="Require resuming an interrupted run (it resumes automatically when the same command finds its partial output).",
         ),
     ] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    overwrite: OverwriteOpt = False,
     allow_nonfinite: Annotated[
         bool,
         typer.Option(
@@ -132,8 +143,8 @@ def repair_cmd(
             "--allow-missing", help="Tensors only in BASE keep their base values instead of being an error."
         ),
     ] = False,
-    revision: Annotated[Optional[str], typer.Option(help="Hub revision of FT.")] = None,
-    base_revision: Annotated[Optional[str], typer.Option(help="Hub revision of BASE.")] = None,
+    revision: RevisionOpt = None,
+    base_revision: BaseRevisionOpt = None,
     route: Annotated[
         str,
         typer.Option(
