@@ -113,7 +113,10 @@ def inspect_pair(base: str | Path, ft: str | Path, options: InspectOptions | Non
     plotting = opts.plot_dir is not None or opts.html is not None
     if plotting:
         plots.require_matplotlib("--plot and --html")
-    if opts.html is not None and not Path(opts.html).expanduser().parent.exists():
+    html_parent = Path(opts.html).expanduser().resolve().parent if opts.html is not None else None
+    plot_dir = Path(opts.plot_dir).expanduser().resolve() if opts.plot_dir is not None else None
+    # the page may go into the plot directory, which is made on the way
+    if html_parent is not None and html_parent != plot_dir and not html_parent.exists():
         raise InputError(
             f"--html {opts.html}: directory {Path(opts.html).expanduser().parent} does not exist"
         )

@@ -317,3 +317,21 @@ def test_missing_matplotlib_is_exit_2_naming_the_extra(pair, tmp_path):
     assert not (tmp_path / "p").exists()
     r = run_dghard("inspect", b, f, "--json", env=env)  # without plots, no matplotlib needed
     assert r.returncode == 0 and json.loads(r.stdout)["command"] == "inspect"
+
+
+def test_html_page_may_go_into_the_plot_directory_being_created(tmp_path):
+    pytest.importorskip("matplotlib")
+    example = REPO / "examples" / "tiny"
+    plots = tmp_path / "new" / "plots"
+    doc = inspect_pair(
+        example / "base",
+        example / "ft",
+        InspectOptions(plot_dir=plots, html=plots / "report.html", quiet=True),
+    )
+    assert (plots / "report.html").is_file() and doc["plots"]["files"]
+    with pytest.raises(InputError, match="does not exist"):
+        inspect_pair(
+            example / "base",
+            example / "ft",
+            InspectOptions(html=tmp_path / "elsewhere" / "report.html", quiet=True),
+        )
