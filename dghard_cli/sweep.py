@@ -845,7 +845,8 @@ class _Sweep:
                     hint="run the same command again to resume",
                 ) from None
             except (InputError, CheckFailed):
-                shutil.rmtree(self.stage, ignore_errors=True)
+                if not started:  # a cache from an interrupted run stays for the corrected command
+                    shutil.rmtree(self.stage, ignore_errors=True)
                 raise
             except RuntimeFailure:
                 raise

@@ -381,6 +381,10 @@ def test_an_interrupted_sweep_resumes_without_evaluating_anything_twice(pair, un
 
     pair.reset_calls()
     env.pop("SWEEP_HANG_AFTER")
+    # a mistyped rerun is refused and leaves the cache of the interrupted run alone
+    r = run_dghard(*args, "--target", "tsak", env=env)
+    assert r.returncode == 2 and "--target 'tsak': no such benchmark" in r.stderr
+    assert staging_path(out).is_dir() and pair.calls() == []
     r = run_dghard(*args, "--json", env=env)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
