@@ -52,6 +52,7 @@ from .sweep_candidates import (
     FamilyEntry,
     check_entry,
     load_candidates,
+    parse_candidates,
     reproduce_argv,
     shell_command,
     write_candidate,
@@ -77,7 +78,7 @@ class SweepOptions:
     targets: list[str] = field(default_factory=list)
     budget: int = DEFAULT_BUDGET
     candidates: Path | None = None  # candidate file; None: the built-in default set
-    families: list[FamilyEntry] | None = None  # instead of a file (library use)
+    families: list[dict] | None = None  # the candidate file's ``families`` list, inline
     base_results: Path | None = None
     ft_results: list[Path] = field(default_factory=list)  # FT's, then each extra fine-tune's
     extra_fts: list[str] = field(default_factory=list)  # more fine-tunes of BASE: merge families
@@ -299,7 +300,8 @@ class _Sweep:
             if p is not None and not Path(p).expanduser().exists():
                 raise InputError(f"results {p}: no such file or directory")
         if o.families is not None:
-            self.entries, self.candidates_source = list(o.families), "library"
+            self.entries = parse_candidates({"families": o.families}, "SweepOptions.families")
+            self.candidates_source = "SweepOptions.families"
         else:
             self.entries, self.candidates_source = load_candidates(o.candidates)
 

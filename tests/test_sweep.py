@@ -691,3 +691,52 @@ def test_a_template_without_output_reads_the_results_from_stdout(pair, tmp_path)
     (row,) = doc["candidates"]
     assert row["status"] == "ok" and doc["winner"]["name"] == row["name"] == "soft scale=0.7"
     assert abs(row["hm"] - pair.hm("soft", row["params"])) < 1e-4
+
+
+@pytest.mark.parametrize(
+    "entry, n_fts",
+    [
+        ({"family": "hard", "grid": [1.7], "fixed": {"noise": "known", "sigma": 0.002}}, 1),
+        ({"family": "soft", "grid": [0.8]}, 1),
+        ({"family": "optimal", "grid": [2.5]}, 1),
+        ({"family": "twoknob", "axis": "a", "grid": [0.9], "fixed": {"b": 0.1, "scale": 1.5}}, 1),
+        ({"family": "wise-ft", "grid": [0.35]}, 1),
+        ({"family": "task-arithmetic", "grid": [0.7], "fixed": {"weights": [1.0, 0.5]}}, 2),
+        ({"family": "ties", "grid": [0.3], "fixed": {"lambda": 0.9}}, 2),
+        ({"family": "dare-linear", "grid": [0.5], "fixed": {"seed": 3}}, 2),
+        ({"family": "dare-ties", "axis": "lambda", "grid": [0.8], "fixed": {"density": 0.4}}, 2),
+        ({"family": "dg-hard", "grid": [2.0], "fixed": {"weights": [1.0, 1.0]}}, 2),
+    ],
+    ids=lambda x: x["family"] if isinstance(x, dict) else str(x),
+)
+def test_every_family_is_reproduced_by_its_printed_command(pair, tmp_path, entry, n_fts):
+    """The command line the sweep prints writes the candidate the sweep wrote, byte for byte."""
+    from typer.testing import CliRunner
+
+    from dghard_cli.cli import app
+    from dghard_cli.sweep_candidates import reproduce_argv, write_candidate
+
+    fts = [str(pair.ft)]
+    if n_fts == 2:
+        fts.append(str(pair.root / "ft2"))
+        if not (pair.root / "ft2").exists():
+            make_pair(
+                pair.root / "second", CFG, dtype="float32", ft_shards=1, seed=SEED, delta=DM, delta_seed=11
+            )
+            (pair.root / "second" / "ft").rename(pair.root / "ft2")
+    (e,) = parse_candidates({"families": [entry]}, "x")
+    cand = make_candidate(e, e.grid[0], n_fts=n_fts)
+    argv = reproduce_argv(cand, str(pair.base), fts, str(tmp_path / "a"), "cpu")
+    write_candidate(cand, str(pair.base), fts, tmp_path / "a", device="cpu", argv=argv)
+    args = [str(tmp_path / "b") if a == str(tmp_path / "a") else a for a in argv[1:]]
+    res = CliRunner().invoke(app, [*args, "--quiet"])
+    assert res.exit_code == 0, res.output
+    shards = sorted(p.name for p in (tmp_path / "a").glob("*.safetensors"))
+    assert shards == sorted(p.name for p in (tmp_path / "b").glob("*.safetensors")) and shards
+    for name in shards:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+    rep = json.loads((tmp_path / "b" / "dghard_report.json").read_text())
+    params = cand.param_dict
+    for k, v in params.items():
+        if k in rep["parameters"]:
+            assert rep["parameters"][k] == v, k
