@@ -8,7 +8,7 @@ Each command lives in :mod:`dghard_cli.commands` and registers itself on ``app``
 from __future__ import annotations
 
 from .cli_common import app
-from .commands import audit_lora, inspect, merge, repair, report, score, verify  # noqa: F401  (each registers its command)
+from .commands import audit_lora, inspect, merge, repair, report, score, sweep, verify  # noqa: F401  (each registers its command)
 
 
 def entrypoint() -> None:

@@ -25,7 +25,9 @@ from dghard_cli.runner import RunOptions
 from dghard_cli.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)
-RECIPES = sorted((REPO / "configs").glob("*.yaml"))
+RECIPES = sorted(
+    p for p in (REPO / "configs").glob("*.yaml") if not p.name.startswith("sweep-")
+)  # sweep-*: candidate sets
 
 
 def cli(*args):

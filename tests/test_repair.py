@@ -12,7 +12,7 @@ from conftest import f64, load_dir, run_dghard
 from reference import ref_filter, rel
 from safetensors.torch import save_file
 
-from dghard_cli import PolicyOptions, RepairOptions, RunOptions, ShrinkSpec, repair
+from dghard_cli import MergeOptions, PolicyOptions, RepairOptions, RunOptions, ShrinkSpec, merge, repair
 from dghard_cli.errors import InputError
 from dghard_cli.synthetic import ArchConfig, DeltaModel, make_pair, write_checkpoint
 
@@ -149,10 +149,28 @@ def test_twoknob_reproduces_dg_hard_and_wise_ft(tmp_path):
     x = 0.3
     rep = repair(base, ft, tmp_path / "w", RepairOptions(spec=ShrinkSpec(shrink="twoknob", a=x, b=x)))
     w, b, f = load_dir(tmp_path / "w"), load_dir(base), load_dir(ft)
+    # and what `dghard merge --method wise-ft --alpha x` writes (the sweep's WiSE-FT family)
+    wise = load_dir(
+        Path(merge(base, [ft], tmp_path / "m", MergeOptions(method="wise-ft", alpha=x))["output"]["path"])
+    )
     for r in rep["tensors"]:
         if r["action"] == "method":
             ref = (1 - x) * f64(b[r["name"]]) + x * f64(f[r["name"]])
             assert rel(f64(w[r["name"]]), ref) < 1e-6
+            assert rel(f64(w[r["name"]]), f64(wise[r["name"]])) < 1e-6
+
+
+def test_cli_twoknob_one_zero_writes_the_dg_hard_bytes(tmp_path):
+    base, ft = make_pair(tmp_path, CFG, dtype="bfloat16", ft_shards=2, seed=6)
+    r1 = run_dghard("repair", base, ft, tmp_path / "hard", "--quiet")
+    r2 = run_dghard(
+        "repair", base, ft, tmp_path / "tk", "--shrink", "twoknob", "--a", "1", "--b", "0", "--quiet"
+    )
+    assert r1.returncode == 0 and r2.returncode == 0, r1.stderr + r2.stderr
+    shards = sorted(p.name for p in (tmp_path / "hard").glob("*.safetensors"))
+    assert len(shards) == 2
+    for name in shards:
+        assert (tmp_path / "hard" / name).read_bytes() == (tmp_path / "tk" / name).read_bytes()
 
 
 def test_planted_signal_is_recovered(tmp_path):

@@ -25,13 +25,16 @@ SHAPES = [(300, 200), (200, 300), (256, 256), (1000, 64), (64, 1000), (97, 61)]
 
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("shrink", ["hard", "soft", "optimal", "twoknob"])
-def test_filter_matches_float64_svd(shape, shrink):
+@pytest.mark.parametrize("scale", [0.5, 1.0, 2.5])  # the strengths `dghard sweep` moves along
+def test_filter_matches_float64_svd(shape, shrink, scale):
     d = spiked(*shape, seed=hash(shape) % 1000)
     kw = {"a": 0.9, "b": 0.3} if shrink == "twoknob" else {}
-    ref, rank, tau = ref_filter(d, shrink=shrink, **kw)
-    out, f = filter_dense(torch.from_numpy(d), ShrinkSpec(shrink=shrink, **kw))
+    ref, rank, tau = ref_filter(d, shrink=shrink, scale=scale, **kw)
+    out, f = filter_dense(torch.from_numpy(d), ShrinkSpec(shrink=shrink, scale=scale, **kw))
     assert rel(out.numpy(), ref) < 1e-9
     assert abs(f.tau - tau) <= 1e-12 * tau
+    if shrink in ("hard", "twoknob"):
+        assert f.stats["spikes"] == int(np.count_nonzero(np.linalg.svd(d, compute_uv=False) > tau))
     if shrink == "hard":
         assert f.stats["rank_kept"] == rank
 
