@@ -144,27 +144,35 @@ def _model(entry: object, where: str, root: Path) -> ModelRef:
     )
 
 
-def load_recipe(path: str | Path) -> Recipe:
-    """Parse and validate a recipe; InputError (exit 2) with a one-line message otherwise."""
+def read_yaml_file(path: Path, where: str, limit: int) -> object:
+    """A small YAML file read with ``yaml.safe_load`` only (no tag ever runs); a one-line
+    InputError naming ``where`` when it is missing, too large, not UTF-8 or not YAML."""
     import yaml
 
-    path = Path(path).expanduser()
-    where = f"recipe {path}"
-    if not path.is_file():
+    if not path_exists(path) or not path.is_file():
         raise InputError(f"{where}: no such file")
-    if path.stat().st_size > MAX_RECIPE_BYTES:
-        raise InputError(f"{where}: larger than 1 MiB; a recipe is a short YAML file")
+    if path.stat().st_size > limit:
+        size = f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit} bytes"
+        raise InputError(f"{where}: larger than {size}; it should be a short YAML file")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise InputError(f"{where}: cannot read as UTF-8 text ({exc})") from None
     try:
-        doc = yaml.safe_load(text)
+        return yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"{where}: not valid YAML{at} ({problem})") from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse and validate a recipe; InputError (exit 2) with a one-line message otherwise."""
+
+    path = Path(path).expanduser()
+    where = f"recipe {path}"
+    doc = read_yaml_file(path, where, MAX_RECIPE_BYTES)
     if not isinstance(doc, dict):
         raise InputError(f"{where}: must be a YAML mapping of keys (method, base, models, ...)")
     _check_mapping(doc, TOP_KEYS, where)

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from .errors import InputError
 from .merge import MergeOptions, merge, resolve_parameters
+from .recipe import read_yaml_file
 from .repair import RepairOptions, repair
 from .runner import RunOptions
 from .spectral import ShrinkSpec
@@ -383,22 +384,10 @@ def load_candidates(path: str | Path | None) -> tuple[list[FamilyEntry], str]:
     if path is None:
         text = resources.files("dghard_cli").joinpath("data", DEFAULT_CANDIDATES).read_text(encoding="utf-8")
         where = f"built-in {DEFAULT_CANDIDATES}"
-    else:
-        p = Path(path).expanduser()
-        if not p.is_file():
-            raise InputError(f"--candidates {path}: no such file")
-        if p.stat().st_size > MAX_CANDIDATES_BYTES:
-            raise InputError(f"--candidates {path}: larger than {MAX_CANDIDATES_BYTES} bytes")
-        try:
-            text = p.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"--candidates {path}: cannot read ({exc})") from None
-        where = str(path)
-    try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        first = " ".join(str(exc).split())
-        raise InputError(f"{where}: not valid YAML ({first})") from None
+    else:
+        where = f"--candidates {path}"
+        doc = read_yaml_file(Path(path).expanduser(), where, MAX_CANDIDATES_BYTES)
     return parse_candidates(doc, where), where
 
 
