@@ -74,12 +74,6 @@ class Plan:
     def out_bytes(self) -> int:
         return sum(j.out_nbytes for j in self.jobs)
 
-    def counts(self) -> dict[str, int]:
-        out: dict[str, int] = {}
-        for j in self.jobs:
-            out[j.action] = out.get(j.action, 0) + 1
-        return out
-
     def job(self, name: str) -> TensorJob:
         for j in self.jobs:
             if j.name == name:

@@ -51,8 +51,6 @@ FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 #: Unit roundoff (half the spacing of numbers near 1) of each floating dtype.
 UNIT_ROUNDOFF = {"F16": 2.0**-11, "BF16": 2.0**-8, "F32": 2.0**-24, "F64": 2.0**-53}
 
-_TORCH_TO_ST = {v: k for k, (_, v) in DTYPES.items() if v is not None}
-
 #: Names users type for ``--dtype`` -> safetensors dtype.
 DTYPE_ALIASES = {
     "bf16": "BF16",
@@ -74,14 +72,6 @@ def torch_dtype(st_dtype: str) -> torch.dtype:
     if entry is None or entry[1] is None:
         raise InputError(f"dtype {st_dtype} cannot be decoded by this torch build")
     return entry[1]
-
-
-def st_dtype(dtype: torch.dtype) -> str:
-    """The safetensors dtype name of a torch dtype."""
-    try:
-        return _TORCH_TO_ST[dtype]
-    except KeyError:
-        raise InputError(f"torch dtype {dtype} has no safetensors equivalent") from None
 
 
 def parse_dtype_option(value: str) -> str:

@@ -125,10 +125,6 @@ class Spectrum:
         return v[:, torch.as_tensor(idx, device=v.device, dtype=torch.long)]
 
     @property
-    def transposed(self) -> bool:
-        return self.shape[0] < self.shape[1]
-
-    @property
     def big(self) -> int:
         return max(self.shape)
 
