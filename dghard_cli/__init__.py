@@ -18,12 +18,12 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
-from .errors import CheckFailed, DGHardError, InputError, RuntimeFailure  # noqa: E402
-from .merge import MergeOptions, merge  # noqa: E402
-from .plan import PolicyOptions  # noqa: E402
-from .repair import RepairOptions, repair  # noqa: E402
-from .runner import RunOptions  # noqa: E402
-from .spectral import ShrinkSpec  # noqa: E402
+from dghard_cli.engine.plan import PolicyOptions  # noqa: E402
+from dghard_cli.engine.runner import RunOptions  # noqa: E402
+from dghard_cli.errors import CheckFailed, DGHardError, InputError, RuntimeFailure  # noqa: E402
+from dghard_cli.merge import MergeOptions, merge  # noqa: E402
+from dghard_cli.repair import RepairOptions, repair  # noqa: E402
+from dghard_cli.spectral.spectrum import ShrinkSpec  # noqa: E402
 
 __all__ = [
     "__version__",

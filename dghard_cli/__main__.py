@@ -1,3 +1,3 @@
-from .cli import entrypoint
+from dghard_cli.cli import entrypoint
 
 entrypoint()

@@ -24,12 +24,17 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .calibration import RecallOptions, recall_weights
-from .checkpoint import Checkpoint
-from .device import resolve_device
-from .errors import InputError
-from .methods.dare import CHUNK
-from .methods.merge_ops import (
+from dghard_cli.engine.device import resolve_device
+from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan, matrix_eligibility
+from dghard_cli.engine.runner import RunOptions, write_model
+from dghard_cli.errors import InputError
+from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.io.output import check_out_path
+from dghard_cli.io.safetensors_format import FLOAT_DTYPES
+from dghard_cli.methods.calibration import RecallOptions, recall_weights
+from dghard_cli.methods.dare import CHUNK
+from dghard_cli.methods.merge_ops import (
     WHOLE_BYTES,
     DareKernel,
     ElementwiseMergeOp,
@@ -40,12 +45,7 @@ from .methods.merge_ops import (
     WiseFTKernel,
     merged_numel,
 )
-from .output import check_out_path
-from .plan import Eligibility, PolicyOptions, build_plan, matrix_eligibility
-from .runner import RunOptions, write_model
-from .safetensors_format import FLOAT_DTYPES
-from .sources import open_checkpoint
-from .spectral import ROUTE, ShrinkSpec
+from dghard_cli.spectral.spectrum import ROUTE, ShrinkSpec
 
 METHODS = ("wise-ft", "task-arithmetic", "ties", "dare", "dare-linear", "dare-ties", "recall", "dg-hard")
 ALIASES = {"dare": "dare-linear"}
@@ -361,7 +361,7 @@ def _rewrite_report(doc: dict, run: RunOptions, out: Path) -> None:
     """Add the method summary to the written report (the runner wrote it before we had it)."""
     import json
 
-    from .runner import REPORT_NAME
+    from dghard_cli.engine.runner import REPORT_NAME
 
     target = Path(run.report_path) if run.report_path is not None else out / REPORT_NAME
     if target.exists():

@@ -10,11 +10,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .methods.dg_hard import SpectralFilterOp, default_block_bytes
-from .plan import PolicyOptions, build_plan
-from .runner import RunOptions, write_model
-from .sources import open_checkpoint
-from .spectral import ShrinkSpec
+from dghard_cli.engine.plan import PolicyOptions, build_plan
+from dghard_cli.engine.runner import RunOptions, write_model
+from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.methods.dg_hard import SpectralFilterOp, default_block_bytes
+from dghard_cli.spectral.spectrum import ShrinkSpec
 
 
 @dataclass

@@ -30,9 +30,15 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dghard_cli.audit import audit_lora  # noqa: E402
-from dghard_cli.synthetic import ArchConfig, write_checkpoint  # noqa: E402
-from dghard_cli.synthetic_lora import LINEAR_TARGETS, PREFIX, linear_modules, peft_config, write_adapter  # noqa: E402
+from dghard_cli.audit.auditor import audit_lora  # noqa: E402
+from dghard_cli.testing.synthetic import ArchConfig, write_checkpoint  # noqa: E402
+from dghard_cli.testing.synthetic_lora import (  # noqa: E402
+    LINEAR_TARGETS,
+    PREFIX,
+    linear_modules,
+    peft_config,
+    write_adapter,
+)
 
 SHAPES = {
     "qwen2.5-7b": ArchConfig("qwen2", 3584, 18944, 28, 28, 4, 152064),

@@ -45,7 +45,7 @@ def naive_repair(base: Path, ft: Path, out: Path) -> None:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dghard_cli.marchenko_pastur import omega
+    from dghard_cli.spectral.marchenko_pastur import omega
 
     def load(d: Path) -> dict[str, torch.Tensor]:
         t: dict[str, torch.Tensor] = {}
@@ -84,7 +84,7 @@ def naive_repair(base: Path, ft: Path, out: Path) -> None:
 
 
 def qwen05b(layers: int):
-    from dghard_cli.synthetic import ArchConfig
+    from dghard_cli.testing.synthetic import ArchConfig
 
     return ArchConfig(
         model_type="qwen2",
@@ -99,7 +99,7 @@ def qwen05b(layers: int):
 
 
 def generate(work: Path, layers: int) -> tuple[Path, Path, Path]:
-    from dghard_cli.synthetic import DeltaModel, make_pair
+    from dghard_cli.testing.synthetic import DeltaModel, make_pair
 
     cfg = qwen05b(layers)
     dm = DeltaModel(rank=8, signal=4.0, noise=1e-3, weight_std=0.02)

@@ -65,7 +65,7 @@ def generate(work: Path, preset: str, device: str) -> tuple[Path, Path]:
     import torch
     from safetensors.torch import save_file
 
-    from dghard_cli.synthetic import ArchConfig, decoder_tensors
+    from dghard_cli.testing.synthetic import ArchConfig, decoder_tensors
 
     h, inter, layers, heads, kv, vocab, shards = PRESETS[preset]
     cfg = ArchConfig("qwen2", h, inter, layers, heads, kv, vocab, tie_word_embeddings=False)
@@ -152,7 +152,7 @@ def naive(base: Path, ft: Path, out: Path, device: str) -> tuple[float, dict]:
     import torch
     from safetensors.torch import load_file, save_file
 
-    from dghard_cli.marchenko_pastur import omega
+    from dghard_cli.spectral.marchenko_pastur import omega
 
     drop_cache(sorted(base.glob("*.safetensors")) + sorted(ft.glob("*.safetensors")))
     t0 = time.perf_counter()
@@ -190,8 +190,8 @@ def accuracy(base: Path, ft: Path, outs: dict[str, Path], names: list[str], devi
     import torch
     from safetensors import safe_open
 
-    from dghard_cli.checkpoint import Checkpoint
-    from dghard_cli.marchenko_pastur import omega
+    from dghard_cli.io.checkpoint import Checkpoint
+    from dghard_cli.spectral.marchenko_pastur import omega
 
     ckb, ckf = Checkpoint(base), Checkpoint(ft)
     result: dict = {}

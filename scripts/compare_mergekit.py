@@ -10,7 +10,7 @@ mergekit 0.1.5 is installed from PyPI into its own virtual environment the first
 asks for torch>=2.0). The environment lives in the system temp directory
 (``<tmp>/dghard-mergekit-0.1.5``) or where ``--venv`` / ``DGHARD_MERGEKIT_VENV`` say; it is never
 part of the repository. Both tools run offline, on CPU (mergekit without ``--cuda``), on
-float32 checkpoints with a ``config.json`` that the script writes with ``dghard_cli.synthetic``.
+float32 checkpoints with a ``config.json`` that the script writes with ``dghard_cli.testing.synthetic``.
 
 Parameter mapping (same numbers, both sides):
 
@@ -67,7 +67,7 @@ def ensure_mergekit(venv: Path) -> Path:
 
 
 def make_models(root: Path, args) -> tuple[Path, list[Path]]:
-    from dghard_cli.synthetic import ArchConfig, make_pair
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
     cfg = ArchConfig(
         hidden_size=args.hidden,

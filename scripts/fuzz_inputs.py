@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from dghard_cli.errors import DGHardError  # noqa: E402
-from dghard_cli.synthetic import ArchConfig, make_pair  # noqa: E402
+from dghard_cli.testing.synthetic import ArchConfig, make_pair  # noqa: E402
 
 CFG = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=40)
 
@@ -200,8 +200,8 @@ def run_repair(root: Path) -> None:
 
 def _adapter_target():
     try:
-        from dghard_cli.audit import audit_lora as run
-        from dghard_cli.synthetic_lora import make_adapter
+        from dghard_cli.audit.auditor import audit_lora as run
+        from dghard_cli.testing.synthetic_lora import make_adapter
     except ImportError:
         return None
 
@@ -230,7 +230,7 @@ def _adapter_target():
 
 def _recipe_target():
     try:
-        from dghard_cli.recipe import load_recipe as load
+        from dghard_cli.methods.recipe import load_recipe as load
     except ImportError:
         return None
 

@@ -2,7 +2,7 @@
 """Build ``examples/tiny``: a small Llama-shaped base/fine-tune pair, and measure a repair of it.
 
 The fine-tune is the base plus, on every matrix, a rank-4 task signal and i.i.d. noise of the
-kind the DG-Hard paper attributes to SGD (``dghard_cli.synthetic``). Because the signal is
+kind the DG-Hard paper attributes to SGD (``dghard_cli.testing.synthetic``). Because the signal is
 known, the effect of a repair can be measured exactly: how much closer the repaired update is
 to the planted signal than the fine-tune's update is.
 
@@ -26,7 +26,7 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from dghard_cli.synthetic import ArchConfig, DeltaModel, make_pair, signal_and_noise  # noqa: E402
+from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, make_pair, signal_and_noise  # noqa: E402
 
 CFG = ArchConfig(
     model_type="llama",

@@ -17,19 +17,19 @@ import torch
 from conftest import REPO, f64, load_dir, run_dghard
 from safetensors.torch import load_file
 
-from dghard_cli.audit import AuditOptions, audit_lora
+from dghard_cli.audit.auditor import AuditOptions, audit_lora
+from dghard_cli.audit.findings import CODES
 from dghard_cli.errors import InputError
-from dghard_cli.findings import CODES
-from dghard_cli.lora_adapter import LoraConfig, is_targeted, layer_index, pattern_key
-from dghard_cli.lora_spectral import (
+from dghard_cli.io.lora_adapter import LoraConfig, is_targeted, layer_index, pattern_key
+from dghard_cli.spectral.lora import (
     dense_blocks,
     effective_rank,
     intruder_dimensions,
     lowrank_spectrum,
     spectrum_stats,
 )
-from dghard_cli.synthetic import ArchConfig, make_pair, write_checkpoint
-from dghard_cli.synthetic_lora import LINEAR_TARGETS, PREFIX, make_adapter, write_adapter
+from dghard_cli.testing.synthetic import ArchConfig, make_pair, write_checkpoint
+from dghard_cli.testing.synthetic_lora import LINEAR_TARGETS, PREFIX, make_adapter, write_adapter
 
 ARCH = ArchConfig(
     hidden_size=64,
@@ -647,8 +647,8 @@ def test_intruder_pool_is_all_base_vectors_not_just_the_top_k():
 @pytest.mark.parametrize("shape", [(50, 7), (7, 50), (6, 2, 3)])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_base_blocks_stream_stored_rows_and_cover_the_matrix(tmp_path, shape, transposed):
-    from dghard_cli.audit import base_blocks
-    from dghard_cli.checkpoint import Checkpoint
+    from dghard_cli.audit.auditor import base_blocks
+    from dghard_cli.io.checkpoint import Checkpoint
 
     w = torch.randn(shape, dtype=torch.float32)
     write_checkpoint(tmp_path / "ck", [("w", w)])

@@ -13,7 +13,7 @@ import torch
 from conftest import load_dir, run_dghard
 from safetensors.torch import save_file
 
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from conftest import REPO, f64, load_dir
 
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 SCRIPT = REPO / "examples" / "ci" / "post_finetune.sh"
 

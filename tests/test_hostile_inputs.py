@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 from typer.testing import CliRunner
 
 from dghard_cli.cli import app
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
 
@@ -307,7 +307,7 @@ def test_hostile_recipe_rows(tmp_path, row):
     "field,value", [("r", 10**9), ("r", -3), ("lora_alpha", "lots"), ("rank_pattern", {"q_proj": 2**40})]
 )
 def test_hostile_adapter_configs(tmp_path, field, value):
-    from dghard_cli.synthetic_lora import make_adapter
+    from dghard_cli.testing.synthetic_lora import make_adapter
 
     ad, _, _ = make_adapter(tmp_path / "adapter", CFG, r=4)
     cfg = json.loads((ad / "adapter_config.json").read_text())

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import load_dir, run_dghard
 
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
 

@@ -17,12 +17,12 @@ from conftest import REPO, f64, load_dir, run_dghard
 from reference import ref_mp_median, ref_weights
 from scipy import integrate
 
+from dghard_cli.engine.plan import PolicyOptions
+from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.inspect import InspectOptions, inspect_pair
-from dghard_cli.plan import PolicyOptions
+from dghard_cli.inspection import InspectOptions, inspect_pair
 from dghard_cli.repair import RepairOptions, repair
-from dghard_cli.runner import RunOptions
-from dghard_cli.synthetic import ArchConfig, make_pair, write_checkpoint
+from dghard_cli.testing.synthetic import ArchConfig, make_pair, write_checkpoint
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"
 
@@ -221,7 +221,7 @@ def test_cli_plot_html_json(pair, tmp_path):
 
 
 def test_heatmap_grid_and_names():
-    from dghard_cli.plots import heatmap_grid, module_order, parse_layer_module
+    from dghard_cli.report.plots import heatmap_grid, module_order, parse_layer_module
 
     assert parse_layer_module("model.layers.12.mlp.down_proj.weight") == (12, "mlp.down_proj")
     assert parse_layer_module("transformer.h.3.attn.c_attn.weight") == (3, "attn.c_attn")
@@ -263,7 +263,7 @@ def test_heatmap_grid_and_names():
 
 
 def test_mp_density_is_the_derivative_of_the_cdf():
-    from dghard_cli.plots import mp_density
+    from dghard_cli.report.plots import mp_density
 
     for beta in (0.1, 0.37, 1.0):
         a, b = (1 - math.sqrt(beta)) ** 2, (1 + math.sqrt(beta)) ** 2
@@ -293,7 +293,7 @@ def test_report_html_from_a_finished_repair(pair, tmp_path):
     for rec in rep["tensors"]:
         if rec["action"] == "method":
             assert f"<td class='name'>{rec['name']}</td>" in text
-    from dghard_cli.commands.report import load_report
+    from dghard_cli.cli.report import load_report
 
     assert load_report(out)[1] == rep  # the directory holding the report
     bad = tmp_path / "bad.json"

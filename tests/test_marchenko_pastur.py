@@ -7,7 +7,7 @@ import pytest
 from reference import gd_reference_rows, ref_mp_median, ref_omega
 from scipy import integrate
 
-from dghard_cli.marchenko_pastur import (
+from dghard_cli.spectral.marchenko_pastur import (
     ks_distance,
     lambda_star,
     mp_cdf,

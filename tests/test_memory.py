@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dghard_cli.synthetic import write_checkpoint
+from dghard_cli.testing.synthetic import write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,14 +15,14 @@ from conftest import REPO, f64, load_dir, run_dghard
 from reference import ref_filter, rel
 from typer.testing import CliRunner
 
-from dghard_cli.checkpoint import Checkpoint
 from dghard_cli.cli import app
+from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
+from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.methods import dare as dare_mod
-from dghard_cli.recipe import load_recipe
-from dghard_cli.runner import RunOptions
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.methods.recipe import load_recipe
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)
 RECIPES = sorted(
@@ -321,7 +321,7 @@ def test_excluded_and_dtype_options(tree, tmp_path):
         MergeOptions(
             method="task-arithmetic",
             run=RunOptions(device="cpu"),
-            policy=__import__("dghard_cli.plan", fromlist=["PolicyOptions"]).PolicyOptions(
+            policy=__import__("dghard_cli.engine.plan", fromlist=["PolicyOptions"]).PolicyOptions(
                 exclude=["lm_head"], out_dtype="BF16"
             ),
         ),
@@ -335,7 +335,7 @@ def test_excluded_and_dtype_options(tree, tmp_path):
 
 
 def test_nan_in_a_finetune_is_exit_2_naming_it(tree, tmp_path):
-    from dghard_cli.synthetic import write_checkpoint
+    from dghard_cli.testing.synthetic import write_checkpoint
 
     ft = load_dir(tree / "examples/tiny/ft")
     name = "model.layers.1.mlp.up_proj.weight"

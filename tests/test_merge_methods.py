@@ -13,14 +13,14 @@ import torch
 from conftest import f64, load_dir
 from reference import ref_filter, rel
 
+from dghard_cli.engine.pipeline import Sources
+from dghard_cli.engine.plan import PolicyOptions, build_plan
+from dghard_cli.engine.runner import RunOptions
+from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.merge import MergeOptions, _make_op, merge, merge_eligibility, resolve_parameters
 from dghard_cli.methods import dare as dare_mod
 from dghard_cli.methods import ties as ties_mod
-from dghard_cli.pipeline import Sources
-from dghard_cli.plan import PolicyOptions, build_plan
-from dghard_cli.runner import RunOptions
-from dghard_cli.sources import open_checkpoint
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 TOL = 1e-6
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)

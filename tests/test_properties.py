@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dghard_cli.spectral import ShrinkSpec, filter_dense
+from dghard_cli.spectral.spectrum import ShrinkSpec, filter_dense
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

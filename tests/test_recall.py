@@ -16,13 +16,13 @@ import torch
 from conftest import REPO, f64, load_dir
 from reference import rel
 
-from dghard_cli import calibration
-from dghard_cli.calibration import RecallOptions, load_pool
+from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merge import MergeOptions, merge
+from dghard_cli.methods import calibration
 from dghard_cli.methods import recall as R
-from dghard_cli.runner import RunOptions
-from dghard_cli.synthetic import ArchConfig, make_pair
+from dghard_cli.methods.calibration import RecallOptions, load_pool
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 transformers = pytest.importorskip("transformers")
 

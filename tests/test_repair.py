@@ -14,7 +14,7 @@ from safetensors.torch import save_file
 
 from dghard_cli import MergeOptions, PolicyOptions, RepairOptions, RunOptions, ShrinkSpec, merge, repair
 from dghard_cli.errors import InputError
-from dghard_cli.synthetic import ArchConfig, DeltaModel, make_pair, write_checkpoint
+from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, make_pair, write_checkpoint
 
 CFG = ArchConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=2, vocab_size=320)
 FT_FILES = {
@@ -175,7 +175,7 @@ def test_cli_twoknob_one_zero_writes_the_dg_hard_bytes(tmp_path):
 
 def test_planted_signal_is_recovered(tmp_path):
     """The point of the method: the repaired update is closer to the planted low-rank signal."""
-    from dghard_cli.synthetic import signal_and_noise
+    from dghard_cli.testing.synthetic import signal_and_noise
 
     cfg = ArchConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1, vocab_size=256)
     dm = DeltaModel(rank=3, signal=5.0, noise=2e-3)
@@ -431,7 +431,7 @@ def test_cli_human_output_on_the_shipped_example(tmp_path):
 
 def test_row_blocked_streaming_equals_the_unblocked_route(tmp_path):
     """Tall matrices read from disk in small row blocks give the in-memory result to fp32 rounding."""
-    from dghard_cli.pipeline import EngineOptions
+    from dghard_cli.engine.pipeline import EngineOptions
 
     cfg = ArchConfig(hidden_size=64, intermediate_size=160, num_hidden_layers=1, vocab_size=2000)
     base, ft = make_pair(tmp_path, cfg, dtype="float32", ft_shards=2, seed=21)

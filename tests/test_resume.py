@@ -15,8 +15,8 @@ import torch
 
 from dghard_cli import RepairOptions, RunOptions, repair
 from dghard_cli.errors import InputError
-from dghard_cli.output import JOURNAL, staging_dir
-from dghard_cli.synthetic import write_checkpoint
+from dghard_cli.io.output import JOURNAL, staging_dir
+from dghard_cli.testing.synthetic import write_checkpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -136,7 +136,7 @@ def test_sigterm_is_an_interrupt_too(slow_pair, tmp_path):
 
 
 def test_resume_refuses_a_partial_output_of_another_command(tmp_path):
-    from dghard_cli.synthetic import ArchConfig, make_pair
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
     base, ft = make_pair(
         tmp_path, ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
@@ -155,7 +155,7 @@ def test_resume_refuses_a_partial_output_of_another_command(tmp_path):
 
 
 def test_a_corrupted_journaled_shard_is_recomputed(tmp_path):
-    from dghard_cli.synthetic import ArchConfig, make_pair
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
     base, ft = make_pair(
         tmp_path,
@@ -166,11 +166,11 @@ def test_a_corrupted_journaled_shard_is_recomputed(tmp_path):
     repair(base, ft, ref)
     out = tmp_path / "out"
     # simulate an interrupted run: journal two shards, one of which was damaged on disk
-    from dghard_cli.output import file_sha256
-    from dghard_cli.plan import PolicyOptions, build_plan
+    from dghard_cli.engine.plan import PolicyOptions, build_plan
+    from dghard_cli.engine.runner import fingerprint
+    from dghard_cli.io.hub import open_checkpoint
+    from dghard_cli.io.output import file_sha256
     from dghard_cli.repair import repair_parameters
-    from dghard_cli.runner import fingerprint
-    from dghard_cli.sources import open_checkpoint
 
     b, f = open_checkpoint(str(base)), open_checkpoint(str(ft))
     plan = build_plan(b, [f], PolicyOptions())
@@ -202,7 +202,7 @@ def test_verify_command_rechecks_a_written_directory(tmp_path):
     from typer.testing import CliRunner
 
     from dghard_cli.cli import app
-    from dghard_cli.synthetic import ArchConfig, make_pair
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
     base, ft = make_pair(
         tmp_path,

@@ -10,7 +10,7 @@ import pytest
 from conftest import run_dghard
 
 from dghard_cli.errors import InputError
-from dghard_cli.score import (
+from dghard_cli.score.scoring import (
     MetricRule,
     Score,
     combined_stderr,

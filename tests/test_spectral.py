@@ -6,7 +6,7 @@ import torch
 from reference import ref_filter, ref_omega, rel
 
 from dghard_cli.errors import InputError
-from dghard_cli.spectral import ShrinkSpec, filter_dense, gd_threshold
+from dghard_cli.spectral.spectrum import ShrinkSpec, filter_dense, gd_threshold
 
 
 def spiked(m, n, *, rank=4, strengths=(6.0, 3.0, 2.0, 1.2), noise=0.01, seed=0):
@@ -117,8 +117,8 @@ def test_bad_specs_are_input_errors(kwargs):
 
 def _job_and_sources(delta: np.ndarray, base: np.ndarray | None = None):
     """A one-matrix job whose inputs live in memory (for the per-tensor routes)."""
-    from dghard_cli.pipeline import Sources
-    from dghard_cli.plan import TensorJob
+    from dghard_cli.engine.pipeline import Sources
+    from dghard_cli.engine.plan import TensorJob
 
     b = base if base is not None else np.zeros_like(delta)
     f = b + delta
@@ -150,7 +150,7 @@ def test_float32_qr_route_matches_the_float64_reference(shape):
         ds, filt = op.spectrum(job, src)
         assert filt.stats["rank_kept"] == rank
         assert abs(filt.tau - tau) <= 1e-6 * tau
-        from dghard_cli.spectral import Projector
+        from dghard_cli.spectral.spectrum import Projector
 
         proj = Projector.from_weights(ds.spectrum, filt.weights)
         x = torch.from_numpy(d if shape[0] >= shape[1] else d.T)
@@ -163,7 +163,7 @@ def test_float32_qr_route_matches_the_float64_reference(shape):
 
 def test_float32_qr_route_falls_back_to_float64_when_the_cut_is_ambiguous():
     from dghard_cli.methods.dg_hard import SpectralFilterOp
-    from dghard_cli.spectral import omega
+    from dghard_cli.spectral.spectrum import omega
 
     rng = np.random.default_rng(0)
     m, n = 400, 200
@@ -188,7 +188,7 @@ def _designed(m: int, lam: np.ndarray, seed: int = 0) -> torch.Tensor:
 
 @pytest.mark.parametrize("where", ["top", "bottom"])
 def test_partial_eigenvectors_match_a_full_decomposition(where):
-    from dghard_cli.spectral import partial_eigenvectors
+    from dghard_cli.spectral.spectrum import partial_eigenvectors
 
     for m, k in [(300, 1), (300, 8), (500, 30), (64, 5)]:
         if where == "top":  # spikes over a Marchenko-Pastur bulk
@@ -214,7 +214,7 @@ def test_partial_eigenvectors_match_a_full_decomposition(where):
 
 
 def test_partial_eigenvectors_refuse_what_they_cannot_certify():
-    from dghard_cli.spectral import partial_eigenvectors
+    from dghard_cli.spectral.spectrum import partial_eigenvectors
 
     # the wanted eigenvalue sits on a cluster 1e-9 below it: no cheap filter separates them
     m = 120

@@ -21,10 +21,10 @@ from conftest import REPO, f64, load_dir, run_dghard
 from reference import ref_weights
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep import SweepOptions, staging_path, sweep
-from dghard_cli.sweep_candidates import load_candidates, make_candidate, parse_candidates
-from dghard_cli.sweep_search import coarse_allotment, coarse_order, next_candidate, refine_probe
-from dghard_cli.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise
+from dghard_cli.sweep.candidates import load_candidates, make_candidate, parse_candidates
+from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
+from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_candidate, refine_probe
+from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise
 
 CFG = ArchConfig(
     hidden_size=48,
@@ -714,7 +714,7 @@ def test_every_family_is_reproduced_by_its_printed_command(pair, tmp_path, entry
     from typer.testing import CliRunner
 
     from dghard_cli.cli import app
-    from dghard_cli.sweep_candidates import reproduce_argv, write_candidate
+    from dghard_cli.sweep.candidates import reproduce_argv, write_candidate
 
     fts = [str(pair.ft)]
     if n_fts == 2:

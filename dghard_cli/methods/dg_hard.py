@@ -1,7 +1,7 @@
 """DG-Hard (and the other spectral shrinkers) as a per-tensor pipeline operation.
 
 For one matrix the operation makes two passes over row blocks of the delta (tall form; see
-:mod:`dghard_cli.spectral`): the first accumulates the float64 Gram matrix, the second applies
+:mod:`dghard_cli.spectral.spectrum`): the first accumulates the float64 Gram matrix, the second applies
 the filter and writes ``W_base + Δ*`` in the output dtype, block by block. A matrix too large
 to prefetch is read from disk block by block in both passes, so memory never grows with it.
 
@@ -19,11 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError, RuntimeFailure
-from ..pipeline import Sources, cast_out, passthrough
-from ..plan import TensorJob
-from ..safetensors_format import torch_dtype
-from ..spectral import (
+from dghard_cli.engine.pipeline import Sources, cast_out, passthrough
+from dghard_cli.engine.plan import TensorJob
+from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.io.safetensors_format import torch_dtype
+from dghard_cli.spectral.spectrum import (
     ROUTE,
     ROUTE_QR32,
     Filtered,

@@ -25,15 +25,15 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from ..errors import InputError, RuntimeFailure
-from ..pipeline import Sources, cast_out
-from ..plan import TensorJob
-from ..safetensors_format import torch_dtype
-from ..spectral import ROUTE, Projector, ShrinkSpec, filter_spectrum
-from . import ties as T
-from .dare import DareStream
-from .dg_hard import delta_blocks, delta_spectrum
-from .task_arithmetic import task_arithmetic_delta
+from dghard_cli.engine.pipeline import Sources, cast_out
+from dghard_cli.engine.plan import TensorJob
+from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.io.safetensors_format import torch_dtype
+from dghard_cli.methods import ties as T
+from dghard_cli.methods.dare import DareStream
+from dghard_cli.methods.dg_hard import delta_blocks, delta_spectrum
+from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
+from dghard_cli.spectral.spectrum import ROUTE, Projector, ShrinkSpec, filter_spectrum
 
 BLOCK_BYTES = 64 * 1024 * 1024
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies

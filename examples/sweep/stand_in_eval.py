@@ -34,7 +34,7 @@ sys.path.insert(0, str(REPO / "scripts"))
 
 from make_tiny_example import DELTA, SEED  # noqa: E402
 
-from dghard_cli.synthetic import signal_and_noise  # noqa: E402
+from dghard_cli.testing.synthetic import signal_and_noise  # noqa: E402
 
 EXAMPLE = REPO / "examples" / "tiny"
 

@@ -1,0 +1,1 @@
+"""``dghard audit-lora``: checks of a PEFT LoRA adapter and their findings."""

@@ -1,0 +1,192 @@
+"""``dghard repair``."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from dghard_cli.cli.common import (
+    BaseArg,
+    BaseRevisionOpt,
+    DeviceOpt,
+    ExcludeOpt,
+    FtArg,
+    IncludeOpt,
+    JsonOpt,
+    OverwriteOpt,
+    QuietOpt,
+    RevisionOpt,
+    VerboseOpt,
+    app,
+    emit,
+    run_cli,
+)
+from dghard_cli.engine.plan import PolicyOptions, parse_size
+from dghard_cli.engine.runner import RunOptions
+from dghard_cli.io.safetensors_format import parse_dtype_option
+from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.spectral.spectrum import ShrinkSpec
+
+REPAIR_EPILOG = """
+**Examples**
+
+    dghard repair examples/tiny/base examples/tiny/ft /tmp/repaired
+
+    dghard repair Qwen/Qwen2.5-0.5B ./my-finetune ./repaired --device cuda --report repaired/report.json
+
+    dghard repair BASE FT OUT --dry-run          # plan only, reads headers
+
+    dghard repair BASE FT OUT --shrink twoknob --a 1 --b 0.3 --exclude 'lm_head|embed'
+"""
+
+
+def render_plan(console: Console, doc: dict, verbose: bool) -> None:
+    from rich.table import Table
+
+    s = doc["summary"]
+    console.print(
+        Text(
+            f"dry run: {doc['output']['path']} would get {s['tensors']} tensors in "
+            f"{doc['output']['shards']} shard(s), {doc['output']['bytes'] / 1e6:.1f} MB"
+        )
+    )
+    t = Table(show_header=True, box=None)
+    t.add_column("action")
+    t.add_column("tensors", justify="right")
+    for k, v in s["actions"].items():
+        t.add_row(k, str(v))
+    console.print(t)
+    for note in doc.get("notes", []):
+        console.print(Text(f"note: {note}"))
+    if verbose:
+        t = Table(show_header=True, box=None)
+        for col in ("name", "shape", "dtype", "action", "shard"):
+            t.add_column(col, overflow="fold")
+        for r in doc["tensors"]:
+            t.add_row(
+                Text(r["name"]),
+                str(r["shape"]),
+                r["dtype"],
+                r["action"] + (f" ({r['reason']})" if r.get("reason") else ""),
+                Text(r["shard"]),
+            )
+        console.print(t)
+
+
+def render_report(console: Console, doc: dict) -> None:
+    from dghard_cli.report.build import summary_table
+
+    console.print(summary_table(doc))
+
+
+@app.command("repair", epilog=REPAIR_EPILOG)
+def repair_cmd(
+    base: BaseArg,
+    ft: FtArg,
+    out: Annotated[
+        Path, typer.Argument(help="Output directory (must not exist, or be empty, or --overwrite).")
+    ],
+    scale: Annotated[float, typer.Option(help="Multiplies the threshold τ (1.0 = Gavish–Donoho).")] = 1.0,
+    noise: Annotated[
+        str, typer.Option(help="median (unknown noise, from the median singular value) or known (--sigma).")
+    ] = "median",
+    sigma: Annotated[
+        Optional[float], typer.Option(help="Known per-entry noise std (with --noise known).")
+    ] = None,
+    shrink: Annotated[
+        str,
+        typer.Option(
+            help="hard (the paper), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk)."
+        ),
+    ] = "hard",
+    a: Annotated[float, typer.Option("--a", help="twoknob: weight of the spikes (σ > τ).")] = 1.0,
+    b: Annotated[float, typer.Option("--b", help="twoknob: weight of the bulk.")] = 0.0,
+    include: IncludeOpt = None,
+    exclude: ExcludeOpt = None,
+    min_numel: Annotated[int, typer.Option(help="Smaller matrices keep the fine-tune's value.")] = 1024,
+    shard_size: Annotated[
+        Optional[str], typer.Option(help="Output shard size, e.g. 5GB (default: mirror FT's shards).")
+    ] = None,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(help="Output dtype for floating tensors: bf16, fp16, fp32 (default: FT's)."),
+    ] = None,
+    report: Annotated[
+        Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
+    ] = None,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Plan and print what would be done; read headers only.")
+    ] = False,
+    resume: Annotated[
+        bool,
+        typer.Option(
+            "--resume",
+            help="Require resuming an interrupted run (it resumes automatically when the same command finds its partial output).",
+        ),
+    ] = False,
+    overwrite: OverwriteOpt = False,
+    allow_nonfinite: Annotated[
+        bool,
+        typer.Option(
+            "--allow-nonfinite",
+            help="Tensors holding NaN/Inf keep the fine-tune's value (reported) instead of being an error.",
+        ),
+    ] = False,
+    allow_missing: Annotated[
+        bool,
+        typer.Option(
+            "--allow-missing", help="Tensors only in BASE keep their base values instead of being an error."
+        ),
+    ] = False,
+    revision: RevisionOpt = None,
+    base_revision: BaseRevisionOpt = None,
+    route: Annotated[
+        str,
+        typer.Option(
+            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto."
+        ),
+    ] = "auto",
+    device: DeviceOpt = "auto",
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Repair FT against BASE: keep the spectral spikes of every weight delta, drop the noise bulk."""
+
+    def body() -> None:
+        opts = RepairOptions(
+            spec=ShrinkSpec(shrink=shrink, scale=scale, noise=noise, sigma=sigma, a=a, b=b),
+            policy=PolicyOptions(
+                min_numel=min_numel,
+                include=include or [],
+                exclude=exclude or [],
+                allow_missing=allow_missing,
+                out_dtype=parse_dtype_option(dtype) if dtype else None,
+                shard_size=parse_size(shard_size) if shard_size else None,
+            ),
+            run=RunOptions(
+                device=device,
+                dry_run=dry_run,
+                resume=True if resume else None,
+                overwrite=overwrite,
+                report_path=report,
+                quiet=quiet or json_out,
+                argv=["dghard", *sys.argv[1:]],
+                allow_nonfinite=allow_nonfinite,
+            ),
+            base_revision=base_revision,
+            ft_revision=revision,
+            route=route,
+        )
+        doc = repair(base, ft, out, opts)
+        if dry_run:
+            emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
+        else:
+            emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_report(c, doc))
+
+    run_cli(body, verbose=verbose)

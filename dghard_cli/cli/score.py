@@ -1,0 +1,110 @@
+"""``dghard score``."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from dghard_cli.errors import CheckFailed, InputError
+from dghard_cli.score.scoring import render, score_files
+
+SCORE_EPILOG = """
+**Examples**
+
+    dghard score --base eval/base.json --ft eval/ft.json --candidate eval/repaired.json
+
+    dghard score --base lm_eval_out/base --ft lm_eval_out/ft --candidate hard=lm_eval_out/hard --candidate wise=lm_eval_out/wise --target gsm8k
+
+    dghard score --base b.json --ft f.json --candidate r.json --fail-under 50 --report score.json
+
+Files are lm-evaluation-harness results (a results_*.json or the directory holding it) or a
+plain {"benchmark": score} JSON. Scores are compared in points (0-100).
+"""
+
+
+def _split(values: list[str] | None) -> list[str]:
+    out: list[str] = []
+    for v in values or []:
+        out += [x.strip() for x in v.split(",") if x.strip()]
+    return out
+
+
+@app.command("score", epilog=SCORE_EPILOG)
+def score_cmd(
+    base: Annotated[str, typer.Option("--base", help="Evaluation results of the base model.")],
+    ft: Annotated[str, typer.Option("--ft", help="Evaluation results of the fine-tuned model.")],
+    candidate: Annotated[
+        list[str],
+        typer.Option(
+            "--candidate",
+            help="Results of a candidate (repaired/merged model), PATH or NAME=PATH; repeatable.",
+        ),
+    ],
+    target: Annotated[
+        Optional[list[str]],
+        typer.Option("--target", help="A benchmark the fine-tune was for (scored apart); repeatable or a,b."),
+    ] = None,
+    margin: Annotated[
+        Optional[float],
+        typer.Option(
+            help="Points within which ft counts as unchanged (default: max(0.5, 2 x combined stderr))."
+        ),
+    ] = None,
+    metric: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            help="lm-eval metric for every task (acc, acc_norm, exact_match,strict-match) or TASK=NAME; repeatable."
+        ),
+    ] = None,
+    scale: Annotated[
+        str, typer.Option(help="auto (fractions if all scores are in [0, 1]), fraction or points.")
+    ] = "auto",
+    subtasks: Annotated[
+        bool, typer.Option("--subtasks", help="Score lm-eval leaf tasks instead of their groups.")
+    ] = False,
+    fail_under: Annotated[
+        Optional[float],
+        typer.Option(help="Exit 1 when the best candidate's HM is below this (or undefined)."),
+    ] = None,
+    report: Annotated[Optional[Path], typer.Option(help="Also write the JSON document to this file.")] = None,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Partition-conditioned scoring of evaluation results: % repair, % retention and their HM."""
+
+    def body() -> dict:
+        doc = score_files(
+            base,
+            ft,
+            candidate,
+            targets=_split(target),
+            margin=margin,
+            metric=metric,
+            scale=scale,
+            subtasks=subtasks,
+            fail_under=fail_under,
+        )
+        if report is not None:
+            rp = Path(report).expanduser()
+            if not rp.parent.exists():
+                raise InputError(f"--report {report}: directory {rp.parent} does not exist")
+            tmp = rp.with_name(rp.name + ".tmp")
+            tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+            os.replace(tmp, rp)
+        return doc
+
+    doc = run_cli(body, verbose=verbose)
+    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render(c, doc))
+    g = doc.get("gate")
+    if g and not g["passed"]:
+
+        def fail() -> None:
+            raise CheckFailed(g["reason"])
+
+        run_cli(fail, verbose=False)

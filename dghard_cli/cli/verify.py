@@ -1,0 +1,55 @@
+"""``dghard verify``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.text import Text
+
+from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from dghard_cli.errors import CheckFailed, InputError
+from dghard_cli.io.verify import verify_dir
+
+EPILOG = """
+**Examples**
+
+    dghard verify ./repaired            # headers, index, report, sha256, NaN/Inf scan
+
+    dghard verify ./repaired --quick    # headers, index and sizes only
+"""
+
+
+@app.command("verify", epilog=EPILOG)
+def verify_cmd(
+    directory: Annotated[
+        Path, typer.Argument(help="A model directory written by dghard (or any safetensors checkpoint).")
+    ],
+    quick: Annotated[bool, typer.Option("--quick", help="Skip hashing and the NaN/Inf scan.")] = False,
+    quiet: QuietOpt = False,
+    verbose: VerboseOpt = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Re-check a written model directory: exit 0 if sound, 1 if a check fails, 2 if unreadable."""
+
+    def body() -> None:
+        if not directory.is_dir():
+            raise InputError(f"{directory}: no such directory")
+        try:
+            doc = verify_dir(directory, deep=not quick, use_report=True)
+        except InputError as exc:
+            raise CheckFailed(f"verification failed: {exc}") from None
+
+        def render(c: Console) -> None:
+            c.print(
+                Text(
+                    f"{directory}: OK — {doc['tensors']} tensors in {doc['shards']} shard(s), "
+                    f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}"
+                )
+            )
+
+        emit(doc, as_json=json_out, quiet=quiet, render=render)
+
+    run_cli(body, verbose=verbose)

@@ -1,0 +1,523 @@
+"""The streaming engine: read → compute → write, overlapped, with bounded memory.
+
+One place streams tensors for every command that writes a model (repair, merge, sweep
+candidates). Three stages run at once:
+
+- a **prefetch** thread reads the inputs of the next tensors (raw bytes, ``pread``) while
+  their byte total stays under a budget;
+- the **calling thread** runs the per-tensor operation, which yields output blocks (whole
+  tensors, or row blocks for tall matrices, which it reads itself in blocks);
+- a **writer** thread appends blocks to the current shard file, hashing as it goes, and
+  journals each finished shard.
+
+Memory in flight is the prefetch budget plus the write-queue budget plus the operation's own
+blocks: a small multiple of the largest tensor (or of the block size for tall matrices), never
+of the model. Shards already journaled by an interrupted run are skipped.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from dghard_cli.engine.plan import Plan, TensorJob
+from dghard_cli.errors import DGHardError, InputError, RuntimeFailure
+from dghard_cli.io.checkpoint import TensorInfo
+from dghard_cli.io.output import OutputStage, ShardRecord
+from dghard_cli.io.safetensors_format import FLOAT_DTYPES, build_header, torch_dtype
+
+
+class ByteBudget:
+    """A counting semaphore over bytes; one item larger than the budget may pass alone."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = max(1, limit)
+        self.used = 0
+        self._cv = threading.Condition()
+        self.closed = False
+
+    def acquire(self, n: int) -> None:
+        with self._cv:
+            while not self.closed and self.used > 0 and self.used + n > self.limit:
+                self._cv.wait(0.2)
+            self.used += n
+
+    def release(self, n: int) -> None:
+        with self._cv:
+            self.used -= n
+            self._cv.notify_all()
+
+    def close(self) -> None:
+        with self._cv:
+            self.closed = True
+            self._cv.notify_all()
+
+
+class Sources:
+    """A job's inputs: whole tensors (prefetched, or read now) or row blocks read on demand."""
+
+    def __init__(
+        self,
+        job: TensorJob,
+        raw: dict[str, torch.Tensor] | None,
+        *,
+        allow_nonfinite: bool = False,
+        pin: bool = False,
+    ) -> None:
+        self.job = job
+        self._raw = raw or {}
+        self.pin = pin  # read on demand into page-locked memory (CUDA)
+        #: NaN/Inf in an input: pass the fine-tune's value through (reported) instead of failing.
+        self.allow_nonfinite = allow_nonfinite
+
+    def _get(self, key: str, info: TensorInfo, rows: tuple[int, int] | None) -> torch.Tensor:
+        raw = self._raw.get(key)
+        if raw is not None:
+            t = info.decode(raw)
+            return t if rows is None else t[rows[0] : rows[1]]
+        return info.read(rows, pin=self.pin)
+
+    def base(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        assert self.job.base is not None
+        return self._get("base", self.job.base, rows)
+
+    def ft(self, i: int = 0, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self._get(f"ft{i}", self.job.fts[i], rows)
+
+    def info(self, key: str) -> TensorInfo:
+        info = self.job.base if key == "base" else self.job.fts[int(key[2:])]
+        assert info is not None
+        return info
+
+    def raw(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Raw bytes of ``base`` or ``ft{i}`` (or of rows of it), read now if not prefetched."""
+        info = self.info(key)
+        raw = self._raw.get(key)
+        if raw is None:
+            return info.read_raw(rows, pin=self.pin)
+        if rows is None:
+            return raw
+        return raw[rows[0] * info.row_bytes : rows[1] * info.row_bytes]
+
+
+#: A per-tensor operation: yields the output's bytes in order (tensors in the output dtype,
+#: whole or in row blocks), and fills ``record`` with its statistics.
+TensorOp = Callable[[TensorJob, Sources, dict], Iterator[torch.Tensor]]
+
+
+def job_inputs(job: TensorJob) -> dict[str, TensorInfo]:
+    out: dict[str, TensorInfo] = {}
+    if job.base is not None:
+        out["base"] = job.base
+    for i, info in enumerate(job.fts):
+        out[f"ft{i}"] = info
+    return out
+
+
+@dataclass
+class EngineOptions:
+    prefetch_bytes: int = 256 * 1024 * 1024  # inputs read ahead (the current job's included)
+    write_bytes: int = 64 * 1024 * 1024  # outputs queued for the writer
+    stream_bytes: int = 256 * 1024 * 1024  # jobs with more input than this are read in blocks
+    allow_nonfinite: bool = False  # NaN/Inf in an input tensor: pass FT's value through, reported
+    pin: bool = False  # read into page-locked buffers (asynchronous host-to-device copies)
+    compute_workers: int = 1  # tensors computed at once (one thread each) when small enough
+    parallel_bytes: int = 64 * 1024 * 1024  # inputs up to this size may be computed in parallel
+
+    @classmethod
+    def for_device(cls, device: torch.device, **overrides) -> EngineOptions:
+        """Budgets for a device: small on CPU (resident memory is the constraint), large on
+        CUDA (keep a 7B model's largest matrices prefetched while the GPU computes)."""
+        if device.type == "cuda":
+            base = dict(prefetch_bytes=4 << 30, write_bytes=1 << 30, stream_bytes=3 << 30, pin=True)
+        else:
+            base = {"compute_workers": max(1, torch.get_num_threads())}
+        base.update(overrides)
+        return cls(**base)
+
+
+class _Prefetcher(threading.Thread):
+    def __init__(self, jobs: list[TensorJob], opts: EngineOptions, wanted: Callable[[TensorJob], bool]):
+        super().__init__(daemon=True, name="dghard-prefetch")
+        self.jobs = jobs
+        self.budget = ByteBudget(opts.prefetch_bytes)
+        self.stream_bytes = opts.stream_bytes
+        self.pin = opts.pin
+        self.wanted = wanted
+        self.out: queue.Queue = queue.Queue()
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            for job in self.jobs:
+                if self.stop.is_set():
+                    return
+                if job.in_nbytes > self.stream_bytes or not self.wanted(job):
+                    self.out.put((job, None, 0))
+                    continue
+                self.budget.acquire(job.in_nbytes)
+                if self.stop.is_set():
+                    return
+                raw = {key: info.read_raw(pin=self.pin) for key, info in job_inputs(job).items()}
+                self.out.put((job, raw, job.in_nbytes))
+        except BaseException as exc:  # handed to the consumer
+            self.out.put((None, exc, 0))
+
+    def next(self) -> tuple[TensorJob, dict | None, int]:
+        while True:
+            try:
+                job, raw, held = self.out.get(timeout=0.5)
+            except queue.Empty:
+                if not self.is_alive():
+                    raise RuntimeFailure("internal error: the prefetch thread stopped") from None
+                continue
+            if job is None:
+                raise raw
+            return job, raw, held
+
+    def shutdown(self) -> None:
+        self.stop.set()
+        self.budget.close()
+
+
+class _Writer(threading.Thread):
+    """Owns the output files: opens shards, appends bytes, finishes and journals them."""
+
+    def __init__(self, stage: OutputStage, limit: int) -> None:
+        super().__init__(daemon=True, name="dghard-writer")
+        self.stage = stage
+        self.q: queue.Queue = queue.Queue()
+        self.budget = ByteBudget(limit)
+        self.error: BaseException | None = None
+        self._current = None
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            kind = item[0]
+            try:
+                if self.error is not None:
+                    if kind == "data":
+                        self.budget.release(item[3])
+                    elif kind in ("sync", "stop"):
+                        item[-1].set() if kind == "sync" else None
+                        if kind == "stop":
+                            self._abort()
+                            return
+                    continue
+                if kind == "open":
+                    _, shard, entries, metadata = item
+                    self._current = self.stage.shard_writer(shard, entries, metadata)
+                elif kind == "data":
+                    _, name, buf, n = item
+                    try:
+                        self._current.write(name, _as_bytes(buf))
+                    finally:
+                        self.budget.release(n)
+                elif kind == "close":
+                    _, shard, records = item
+                    size, digest = self._current.finish()
+                    self._current = None
+                    self.stage.record(ShardRecord(name=shard, size=size, sha256=digest, tensors=records))
+                elif kind == "sync":
+                    if self._current is not None:
+                        self._current._fh.flush()
+                    item[1].set()
+                elif kind == "stop":
+                    self._abort()
+                    return
+            except BaseException as exc:  # disk full, permissions: surfaced to the caller
+                self.error = exc
+                if kind == "sync":
+                    item[1].set()
+                if kind == "stop":
+                    return
+
+    def _abort(self) -> None:
+        if self._current is not None:
+            self._current.abort()
+            self._current = None
+
+    def check(self) -> None:
+        if self.error is not None:
+            err = self.error
+            if isinstance(err, DGHardError):
+                raise err
+            if isinstance(err, OSError):
+                raise RuntimeFailure(f"writing {self.stage.dir}: {err.strerror or err}") from None
+            raise RuntimeFailure(f"writer failed: {err!r}") from None
+
+    def put(self, name: str, tensor: torch.Tensor) -> None:
+        self.check()
+        n = _nbytes(tensor)
+        self.budget.acquire(n)
+        self.q.put(("data", name, tensor, n))
+
+    def sync(self) -> None:
+        ev = threading.Event()
+        self.q.put(("sync", ev))
+        while not ev.wait(0.5):
+            if not self.is_alive():
+                break
+        self.check()
+
+
+def _nbytes(t) -> int:
+    if isinstance(t, torch.Tensor):
+        return t.numel() * t.element_size()
+    return memoryview(t).nbytes
+
+
+def _as_bytes(t) -> memoryview:
+    if isinstance(t, torch.Tensor):
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        if t.dtype != torch.uint8:
+            t = t.reshape(-1).view(torch.uint8)
+        return memoryview(t.numpy()).cast("B")
+    return memoryview(t).cast("B")
+
+
+def shard_metadata(plan: Plan, shard: str, ft_metadata: dict[str, dict[str, str]]) -> dict[str, str]:
+    """Metadata of an output shard: the fine-tune's for a mirrored shard, and format=pt."""
+    meta = dict(ft_metadata.get(shard, {}))
+    meta["format"] = "pt"
+    return meta
+
+
+def shard_entries(plan: Plan, shard: str) -> list[tuple[str, str, tuple[int, ...]]]:
+    jobs = {j.name: j for j in plan.jobs}
+    return [(n, jobs[n].out_dtype, jobs[n].shape) for n in plan.shards[shard]]
+
+
+def tensor_location(stage: OutputStage, plan: Plan, name: str, ft_metadata) -> tuple[str, int, int]:
+    """(shard file, absolute offset, nbytes) of an output tensor in the staging directory."""
+    for shard, names in plan.shards.items():
+        if name in names:
+            entries = shard_entries(plan, shard)
+            header, offsets = build_header(entries, shard_metadata(plan, shard, ft_metadata))
+            i = names.index(name)
+            begin, end = offsets[i]
+            return shard, len(header) + begin, end - begin
+    raise KeyError(name)
+
+
+def base_record(job: TensorJob) -> dict:
+    rec: dict = {
+        "name": job.name,
+        "shape": list(job.shape),
+        "dtype": job.out_dtype,
+        "input_dtype": job.fts[0].dtype if job.fts else (job.base.dtype if job.base else None),
+        "action": job.action,
+        "shard": job.shard,
+    }
+    if job.reason:
+        rec["reason"] = job.reason
+    if job.tied_to:
+        rec["tied_to"] = job.tied_to
+    if job.shared_rows is not None:
+        rec["shared_rows"] = job.shared_rows
+        rec["base_rows"] = job.base.shape[0] if job.base else None
+    return rec
+
+
+def cast_out(t: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    target = torch_dtype(out_dtype)
+    return t if t.dtype == target else t.to(target)
+
+
+def row_ranges(info: TensorInfo, chunk_bytes: int) -> list[tuple[int, int] | None]:
+    """Row ranges that split a tensor into pieces of about ``chunk_bytes`` (None: whole)."""
+    if not info.shape or info.nbytes <= chunk_bytes or info.shape[0] <= 1:
+        return [None]
+    step = max(1, chunk_bytes // max(1, info.row_bytes))
+    return [(r0, min(r0 + step, info.shape[0])) for r0 in range(0, info.shape[0], step)]
+
+
+def passthrough(
+    job: TensorJob, src: Sources, rec: dict, key: str = "ft0", chunk_bytes: int = 64 * 1024 * 1024
+) -> Iterator[torch.Tensor]:
+    """The input's value (bit-identical when the dtype is unchanged), in row chunks.
+
+    On the way: non-finite values are refused (naming the tensor), and ‖FT − BASE‖_F is
+    recorded when BASE has the same shape.
+    """
+    info = src.info(key)
+    is_float = info.dtype in FLOAT_DTYPES
+    base = job.base if key != "base" else None
+    comparable = base is not None and base.shape == info.shape and is_float and base.dtype in FLOAT_DTYPES
+    sumsq = 0.0
+    for rows in row_ranges(info, chunk_bytes):
+        raw = src.raw(key, rows)
+        if is_float:
+            t = info.decode(raw, rows)
+            if not bool(torch.isfinite(t).all()):
+                if not src.allow_nonfinite:
+                    which = "BASE" if key == "base" else "the fine-tune"
+                    raise InputError(
+                        f"tensor {job.name!r} in {which} ({info.file}) contains NaN or Inf; fix the "
+                        "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
+                    )
+                rec["nonfinite"] = True
+                comparable = False
+            if comparable:
+                d = t.to(torch.float64) - src.base(rows).to(torch.float64)
+                sumsq += float(torch.sum(d * d))
+            yield raw if info.dtype == job.out_dtype else cast_out(t, job.out_dtype)
+        else:
+            yield raw
+    if comparable and not rec.get("nonfinite"):
+        rec["delta_norm"] = sumsq**0.5
+
+
+def execute(
+    plan: Plan,
+    stage: OutputStage,
+    op: TensorOp,
+    *,
+    ft_metadata: dict[str, dict[str, str]],
+    options: EngineOptions | None = None,
+    on_tensor: Callable[[TensorJob, dict], None] | None = None,
+) -> list[dict]:
+    """Run ``op`` on every method tensor of the plan, pass the rest through, write the shards.
+
+    Returns the per-tensor report records in write order (journaled shards of an interrupted
+    run contribute their recorded records without being recomputed).
+    """
+    opts = options or EngineOptions()
+    todo_shards = [s for s in plan.shards if s not in stage.done]
+    jobs_by_name = {j.name: j for j in plan.jobs}
+    todo_jobs = [jobs_by_name[n] for s in todo_shards for n in plan.shards[s]]
+    records: dict[str, dict] = {}
+    for s in plan.shards:
+        if s in stage.done:
+            for r in stage.done[s].tensors:
+                records[r["name"]] = r
+
+    def wanted(job: TensorJob) -> bool:
+        return job.action != "tied"
+
+    def produce(job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+        if job.runs_method:
+            return op(job, src, rec)
+        return passthrough(job, src, rec, "base" if job.action == "kept-base" else "ft0")
+
+    def computed(job: TensorJob, raw: dict | None) -> tuple[dict, list]:
+        """A whole job on a worker thread: its record and every output block, in order."""
+        # one thread per worker: OpenMP's thread count is per calling thread, so set it here
+        torch.set_num_threads(1)
+        t0 = time.perf_counter()
+        rec = base_record(job)
+        blocks = list(
+            produce(job, Sources(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin), rec)
+        )
+        rec["seconds"] = round(time.perf_counter() - t0, 6)
+        return rec, blocks
+
+    workers = max(1, opts.compute_workers)
+    threads_before = torch.get_num_threads()
+    pool = (
+        ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dghard-compute") if workers > 1 else None
+    )
+    pending: deque = deque()  # (job, future, held bytes), oldest first
+    shard_records: list[dict] = []
+
+    def finish(job: TensorJob, rec: dict, held: int) -> None:
+        pre.budget.release(held)
+        records[job.name] = rec
+        shard_records.append(rec)
+        if on_tensor is not None:
+            on_tensor(job, rec)
+
+    def flush(keep: int = 0) -> None:
+        """Write the oldest computed jobs, in order, until at most ``keep`` are in flight."""
+        while len(pending) > keep:
+            job, fut, held = pending.popleft()
+            rec, blocks = fut.result()
+            for block in blocks:
+                writer.put(job.name, block)
+            del blocks
+            finish(job, rec, held)
+
+    pre = _Prefetcher(todo_jobs, opts, wanted)
+    writer = _Writer(stage, opts.write_bytes)
+    pre.start()
+    writer.start()
+    try:
+        for shard in todo_shards:
+            writer.q.put(
+                ("open", shard, shard_entries(plan, shard), shard_metadata(plan, shard, ft_metadata))
+            )
+            shard_records = []
+            for _ in plan.shards[shard]:
+                job, raw, held = pre.next()
+                small = raw is not None and job.in_nbytes <= opts.parallel_bytes and job.action != "tied"
+                if pool is not None and small:
+                    # several small tensors at once, one thread each (eigensolvers scale poorly
+                    # with threads; two at a time were measured 21 % faster on 2 cores)
+                    pending.append((job, pool.submit(computed, job, raw), held))
+                    del raw
+                    flush(keep=workers)
+                    continue
+                flush()
+                torch.set_num_threads(threads_before)
+                t0 = time.perf_counter()
+                rec = base_record(job)
+                src = Sources(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin)
+                if job.action == "tied":
+                    assert job.tied_to is not None
+                    writer.sync()
+                    blocks = _copy_written(stage, plan, job.tied_to, ft_metadata)
+                    rec["delta_norm"] = records.get(job.tied_to, {}).get("delta_norm")
+                else:
+                    blocks = produce(job, src, rec)
+                for block in blocks:
+                    writer.put(job.name, block)
+                rec["seconds"] = round(time.perf_counter() - t0, 6)
+                del raw, src, blocks  # drop the inputs before the next job's are read
+                finish(job, rec, held)
+            flush()
+            writer.q.put(("close", shard, shard_records))
+        writer.sync()
+        writer.q.put(("stop", threading.Event()))
+        writer.join()
+        writer.check()
+    except BaseException:
+        pre.shutdown()
+        for _, fut, _ in pending:
+            fut.cancel()
+        writer.budget.close()
+        writer.q.put(("stop", threading.Event()))
+        writer.join(timeout=60)
+        raise
+    finally:
+        pre.shutdown()
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+        torch.set_num_threads(threads_before)
+    return [records[j.name] for j in plan.jobs]
+
+
+def _copy_written(stage: OutputStage, plan: Plan, name: str, ft_metadata) -> Iterator[torch.Tensor]:
+    shard, offset, nbytes = tensor_location(stage, plan, name, ft_metadata)
+    path = stage.dir / shard
+    chunk = 64 * 1024 * 1024
+    with open(path, "rb") as fh:
+        done = 0
+        while done < nbytes:
+            n = min(chunk, nbytes - done)
+            fh.seek(offset + done)
+            data = fh.read(n)
+            if len(data) != n:
+                raise RuntimeFailure(f"internal error: {path} is shorter than expected")
+            yield torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            done += n

@@ -1,0 +1,312 @@
+"""The tensor policy: what happens to every tensor, and where its output goes.
+
+Built from headers only (a dry run reads nothing else). Per name in the fine-tune(s):
+
+- 2-D floating tensor with ``>= min_numel`` elements, present in BASE with equal shape, selected
+  by ``--include``/``--exclude`` -> the method;
+- 1-D, small, ≥3-D, non-float or excluded tensors -> the fine-tune's value (``kept-ft``);
+- names only in the fine-tune -> kept (``kept-ft``, reason ``ft-only``);
+- names only in BASE -> an error, or with ``allow_missing`` the base value (``kept-base``);
+- embeddings / lm_head whose vocabulary the fine-tune resized -> the method on the shared
+  rows, new rows from the fine-tune (``resized``); any other shape mismatch -> an error;
+- tied embeddings (``tie_word_embeddings``) are computed once; the tied twin is a copy
+  (``tied``).
+
+The output layout mirrors the (first) fine-tune's shards unless ``shard_size`` is given.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from dghard_cli.errors import InputError
+from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
+from dghard_cli.io.safetensors_format import FLOAT_DTYPES, tensor_nbytes
+
+EMBED_IN = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embed_in|shared)\.weight$")
+EMBED_OUT = re.compile(r"(^|\.)(lm_head|embed_out)\.weight$|^output\.weight$")
+
+
+def is_vocab_matrix(name: str) -> bool:
+    """Input or output embedding: the tensors whose rows a vocabulary resize adds or removes."""
+    return bool(EMBED_IN.search(name) or EMBED_OUT.search(name))
+
+
+@dataclass
+class TensorJob:
+    """One output tensor: its action, its inputs, where it is written."""
+
+    name: str
+    action: str  # method | kept-ft | kept-base | resized | tied
+    reason: str | None
+    shape: tuple[int, ...]
+    out_dtype: str
+    shard: str = ""
+    base: TensorInfo | None = None
+    fts: list[TensorInfo] = field(default_factory=list)
+    shared_rows: int | None = None
+    tied_to: str | None = None
+
+    @property
+    def out_nbytes(self) -> int:
+        return tensor_nbytes(self.out_dtype, self.shape)
+
+    @property
+    def in_nbytes(self) -> int:
+        n = sum(t.nbytes for t in self.fts)
+        return n + (self.base.nbytes if self.base is not None else 0)
+
+    @property
+    def runs_method(self) -> bool:
+        return self.action in ("method", "resized")
+
+
+@dataclass
+class Plan:
+    jobs: list[TensorJob]
+    shards: dict[str, list[str]]  # output shard -> tensor names, in write order
+    write_index: bool
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(j.out_nbytes for j in self.jobs)
+
+    def job(self, name: str) -> TensorJob:
+        for j in self.jobs:
+            if j.name == name:
+                return j
+        raise KeyError(name)
+
+
+@dataclass
+class PolicyOptions:
+    min_numel: int = 1024
+    include: list[str] = field(default_factory=list)
+    exclude: list[str] = field(default_factory=list)
+    allow_missing: bool = False
+    out_dtype: str | None = None  # safetensors dtype for floating outputs; None = the fine-tune's
+    shard_size: int | None = None  # bytes; None = mirror the fine-tune's shards
+
+    def __post_init__(self) -> None:
+        if self.min_numel < 0:
+            raise InputError("--min-numel must be >= 0")
+        self._inc = [_compile(p, "--include") for p in self.include]
+        self._exc = [_compile(p, "--exclude") for p in self.exclude]
+        if self.shard_size is not None and self.shard_size <= 0:
+            raise InputError("--shard-size must be positive")
+
+    def selected(self, name: str) -> bool:
+        if self._inc and not any(p.search(name) for p in self._inc):
+            return False
+        return not any(p.search(name) for p in self._exc)
+
+
+def _compile(pattern: str, option: str) -> re.Pattern:
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise InputError(f"{option} {pattern!r} is not a valid regular expression ({exc})") from None
+
+
+def parse_size(text: str) -> int:
+    """``5GB``, ``500MB``, ``2GiB``, ``1000000`` -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmMgGtT]i?[bB]?|[bB])?\s*", text)
+    if not m:
+        raise InputError(f"size {text!r} is not like 5GB, 500MB or a number of bytes")
+    value = float(m.group(1))
+    unit = (m.group(2) or "b").lower().rstrip("b")
+    mult = {
+        "": 1,
+        "k": 10**3,
+        "m": 10**6,
+        "g": 10**9,
+        "t": 10**12,
+        "ki": 2**10,
+        "mi": 2**20,
+        "gi": 2**30,
+        "ti": 2**40,
+    }[unit]
+    size = int(value * mult)
+    if size <= 0:
+        raise InputError(f"size {text!r} must be positive")
+    return size
+
+
+#: ``eligible(name, info) -> reason or None``: None means the method applies.
+Eligibility = Callable[[str, TensorInfo], str | None]
+
+
+def matrix_eligibility(opts: PolicyOptions) -> Eligibility:
+    """Repair's rule: 2-D floating matrices of at least ``min_numel`` elements."""
+
+    def eligible(name: str, info: TensorInfo) -> str | None:
+        if info.dtype not in FLOAT_DTYPES:
+            return "non-float"
+        if len(info.shape) == 1 or len(info.shape) == 0:
+            return "1-d"
+        if len(info.shape) >= 3:
+            return f"{len(info.shape)}-d"
+        if not opts.selected(name):
+            return "excluded"
+        if info.numel < opts.min_numel:
+            return "small"
+        if min(info.shape) < 2:
+            return "vector"
+        return None
+
+    return eligible
+
+
+def _out_dtype(info: TensorInfo, opts: PolicyOptions) -> str:
+    if opts.out_dtype and info.dtype in FLOAT_DTYPES:
+        return opts.out_dtype
+    return info.dtype
+
+
+def build_plan(
+    base: Checkpoint,
+    fts: list[Checkpoint],
+    opts: PolicyOptions,
+    *,
+    eligible: Eligibility | None = None,
+    tie_embeddings: bool | None = None,
+) -> Plan:
+    """The per-tensor plan for BASE and one or more fine-tunes of it (headers only)."""
+    if not fts:
+        raise InputError("no fine-tuned checkpoint given")
+    eligible = eligible or matrix_eligibility(opts)
+    ft0 = fts[0]
+    notes: list[str] = []
+    for k, other in enumerate(fts[1:], start=2):
+        for name in ft0.tensors:
+            t = other.tensors.get(name)
+            if t is None or t.shape != ft0.tensors[name].shape:
+                what = "missing" if t is None else f"shape {list(t.shape)} vs {list(ft0.tensors[name].shape)}"
+                raise InputError(
+                    f"fine-tune #{k} ({other.source}) differs from #1 ({ft0.source}) at tensor "
+                    f"{name!r} ({what}); merged models must share one architecture"
+                )
+        extra = [n for n in other.tensors if n not in ft0.tensors]
+        if extra:
+            raise InputError(
+                f"fine-tune #{k} ({other.source}) has tensor {extra[0]!r} that #1 ({ft0.source}) lacks; "
+                "merged models must share one architecture"
+            )
+
+    base_only = [n for n in base.tensors if n not in ft0.tensors]
+    if base_only and not opts.allow_missing:
+        raise InputError(
+            f"tensor {base_only[0]!r} is in BASE ({base.source}) but not in the fine-tune "
+            f"({ft0.source}){f' (and {len(base_only) - 1} more)' if len(base_only) > 1 else ''}; "
+            "pass --allow-missing to keep the base values"
+        )
+
+    jobs: list[TensorJob] = []
+    for name, info in ft0.tensors.items():
+        infos = [f.tensors[name] for f in fts]
+        b = base.tensors.get(name)
+        out_dtype = _out_dtype(info, opts)
+        if b is None:
+            jobs.append(TensorJob(name, "kept-ft", "ft-only", info.shape, out_dtype, info.shard, None, infos))
+            continue
+        reason = eligible(name, info)
+        if b.shape != info.shape:
+            resizable = (
+                len(b.shape) == 2
+                and len(info.shape) == 2
+                and b.shape[1] == info.shape[1]
+                and is_vocab_matrix(name)
+            )
+            if not resizable:
+                raise InputError(
+                    f"tensor {name!r} has shape {list(b.shape)} in BASE but {list(info.shape)} in "
+                    f"the fine-tune ({ft0.source}); only embedding/lm_head rows may differ"
+                )
+            shared = min(b.shape[0], info.shape[0])
+            if reason is None and shared >= 2 and shared * info.shape[1] >= opts.min_numel:
+                jobs.append(
+                    TensorJob(
+                        name, "resized", None, info.shape, out_dtype, info.shard, b, infos, shared_rows=shared
+                    )
+                )
+            else:
+                jobs.append(
+                    TensorJob(name, "kept-ft", reason or "small", info.shape, out_dtype, info.shard, b, infos)
+                )
+            notes.append(
+                f"{name}: vocabulary resized {b.shape[0]} -> {info.shape[0]} rows; "
+                f"method on the {shared} shared rows, new rows from the fine-tune"
+            )
+            continue
+        if b.dtype not in FLOAT_DTYPES and reason is None:
+            reason = "non-float"
+        action = "method" if reason is None else "kept-ft"
+        jobs.append(TensorJob(name, action, reason, info.shape, out_dtype, info.shard, b, infos))
+
+    last_shard = jobs[-1].shard if jobs else ft0.shards[-1]
+    for name in base_only:
+        b = base.tensors[name]
+        jobs.append(
+            TensorJob(name, "kept-base", "base-only", b.shape, _out_dtype(b, opts), last_shard, b, [])
+        )
+    if base_only:
+        notes.append(f"{len(base_only)} tensors only in BASE kept with their base values (--allow-missing)")
+
+    _tie(jobs, ft0, tie_embeddings, notes)
+    shards, write_index = _layout(jobs, ft0, opts)
+    return Plan(jobs=jobs, shards=shards, write_index=write_index, notes=notes)
+
+
+def _tie(jobs: list[TensorJob], ft0: Checkpoint, tie: bool | None, notes: list[str]) -> None:
+    if tie is None:
+        cfg = ft0.config() or {}
+        tie = bool(cfg.get("tie_word_embeddings", False))
+        text_cfg = cfg.get("text_config")
+        if isinstance(text_cfg, dict) and "tie_word_embeddings" in text_cfg:
+            tie = tie or bool(text_cfg["tie_word_embeddings"])
+    if not tie:
+        return
+    ins = [j for j in jobs if EMBED_IN.search(j.name)]
+    outs = [j for j in jobs if EMBED_OUT.search(j.name)]
+    for a in ins:
+        for b in outs:
+            if (
+                a.shape == b.shape
+                and a.fts[0].dtype == b.fts[0].dtype
+                and a.out_dtype == b.out_dtype
+                and b.tied_to is None
+                and a.tied_to is None
+            ):
+                first, second = (a, b) if jobs.index(a) < jobs.index(b) else (b, a)
+                second.action, second.reason, second.tied_to = "tied", "tied-embeddings", first.name
+                notes.append(f"{second.name} is tied to {first.name}: computed once, written twice")
+                return
+
+
+def _layout(jobs: list[TensorJob], ft0: Checkpoint, opts: PolicyOptions) -> tuple[dict[str, list[str]], bool]:
+    if opts.shard_size is None:
+        shards: dict[str, list[str]] = {}
+        for j in jobs:
+            shards.setdefault(j.shard, []).append(j.name)
+        return dict(sorted(shards.items())), ft0.index_file is not None
+    groups: list[list[TensorJob]] = [[]]
+    size = 0
+    for j in jobs:
+        if groups[-1] and size + j.out_nbytes > opts.shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(j)
+        size += j.out_nbytes
+    if len(groups) == 1:
+        names = ["model.safetensors"]
+    else:
+        names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    shards = {}
+    for shard_name, group in zip(names, groups, strict=True):
+        for j in group:
+            j.shard = shard_name
+        shards[shard_name] = [j.name for j in group]
+    return shards, len(groups) > 1

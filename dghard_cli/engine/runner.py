@@ -1,0 +1,242 @@
+"""Plan → execute → write, shared by every command that writes a model.
+
+``write_model`` takes opened inputs, a plan and a per-tensor operation, and does the rest:
+output checks, free-space check, the staging directory (resumable), the streaming pipeline,
+the index, the fine-tune's side files, the report and model card, verification, and the
+final rename. A dry run stops after the plan and reads nothing but headers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dghard_cli.engine.device import resolve_device
+from dghard_cli.engine.pipeline import EngineOptions, TensorOp, execute
+from dghard_cli.engine.plan import Plan
+from dghard_cli.engine.progress import Progress
+from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
+from dghard_cli.io.checkpoint import Checkpoint, path_exists
+from dghard_cli.io.output import INDEX_NAME, OutputStage, check_free_space, check_out_path
+from dghard_cli.io.verify import verify_dir
+from dghard_cli.report import build as report_mod
+
+REPORT_NAME = "dghard_report.json"
+
+
+@dataclass
+class RunOptions:
+    """How to run (not what to compute): device, dry run, resume, output handling."""
+
+    device: str = "auto"
+    dry_run: bool = False
+    resume: bool | None = None  # None: resume a matching partial output automatically
+    overwrite: bool = False
+    report_path: Path | None = None
+    quiet: bool = True
+    argv: list[str] | None = None
+    engine: EngineOptions | None = None  # None: EngineOptions.for_device(device)
+    allow_nonfinite: bool = False  # NaN/Inf in an input tensor: pass FT's value through, reported
+
+
+def fingerprint(command: str, method: str, parameters: dict, plan: Plan, inputs: list[Checkpoint]) -> str:
+    """Identity of a run: same command, parameters, plan and input files -> same value."""
+    files = []
+    for ck in inputs:
+        for shard in ck.shards:
+            st = (ck.path / shard).stat()
+            files.append([str((ck.path / shard).resolve()), st.st_size, st.st_mtime_ns])
+    doc = {
+        "command": command,
+        "method": method,
+        "parameters": parameters,
+        "plan": [[j.name, j.action, j.out_dtype, j.shard] for j in plan.jobs],
+        "files": files,
+    }
+    return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def plan_records(plan: Plan) -> list[dict]:
+    out = []
+    for j in plan.jobs:
+        rec = {
+            "name": j.name,
+            "shape": list(j.shape),
+            "dtype": j.out_dtype,
+            "action": j.action,
+            "shard": j.shard,
+        }
+        if j.reason:
+            rec["reason"] = j.reason
+        if j.tied_to:
+            rec["tied_to"] = j.tied_to
+        out.append(rec)
+    return out
+
+
+def inputs_doc(base: Checkpoint, fts: list[Checkpoint]) -> dict:
+    if len(fts) == 1:
+        return {"base": base.describe(), "ft": fts[0].describe()}
+    return {"base": base.describe(), "fts": [f.describe() for f in fts]}
+
+
+def _report_target(out: Path, report_path: Path | None) -> tuple[str | None, Path | None]:
+    """(path relative to OUT, or None; absolute path outside OUT, or None)."""
+    if report_path is None:
+        return REPORT_NAME, None
+    rp = Path(report_path).expanduser().absolute()
+    try:
+        return str(rp.relative_to(Path(out).expanduser().absolute())), None
+    except ValueError:
+        return None, rp
+
+
+def write_model(
+    *,
+    command: str,
+    method: str,
+    parameters: dict,
+    base: Checkpoint,
+    fts: list[Checkpoint],
+    out: Path,
+    plan: Plan,
+    make_op: Callable[[torch.device], TensorOp],
+    run: RunOptions,
+    spectral: bool = True,
+    extra_report: Callable[[], dict] | None = None,
+    timings: dict | None = None,
+) -> dict:
+    """Write the model the plan describes to OUT; returns the report document."""
+    t_start = time.perf_counter()
+    timings = dict(timings or {})
+    device = resolve_device(run.device)
+    out = Path(out)
+    check_out_path(out, [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
+    rel_report, abs_report = _report_target(out, run.report_path)
+    if abs_report is not None and not path_exists(abs_report.parent):
+        raise InputError(f"--report {run.report_path}: directory {abs_report.parent} does not exist")
+
+    common = dict(
+        command=command,
+        argv=run.argv,
+        inputs=inputs_doc(base, fts),
+        method=method,
+        parameters=parameters,
+        device=report_mod.device_info(device, run.device),
+        notes=plan.notes,
+        spectral=spectral,
+    )
+    if run.dry_run:
+        timings["total"] = time.perf_counter() - t_start + timings.get("plan", 0.0)
+        doc = report_mod.build_report(
+            output={"path": str(out), "bytes": plan.out_bytes, "shards": len(plan.shards), "dry_run": True},
+            timings=timings,
+            memory=report_mod.peak_memory(),
+            records=plan_records(plan),
+            **common,
+        )
+        doc["summary"]["dry_run"] = True
+        return doc
+
+    check_free_space(out, plan.out_bytes)
+    fp = fingerprint(command, method, parameters, plan, [base, *fts])
+    stage = OutputStage(out, fp, resume=run.resume)
+    progress = Progress(plan.out_bytes, len(plan.jobs), label=f"{command} {method}", quiet=run.quiet)
+    if stage.done:
+        done_bytes = sum(j.out_nbytes for j in plan.jobs if j.shard in stage.done)
+        progress.advance(done_bytes, sum(len(plan.shards[s]) for s in stage.done))
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    t0 = time.perf_counter()
+    try:
+        records = execute(
+            plan,
+            stage,
+            make_op(device),
+            ft_metadata=fts[0].shard_metadata,
+            options=run.engine or EngineOptions.for_device(device, allow_nonfinite=run.allow_nonfinite),
+            on_tensor=lambda job, rec: progress.advance(job.out_nbytes),
+        )
+    except KeyboardInterrupt:
+        progress.close()
+        raise Interrupted(
+            f"interrupted; finished shards are kept in {stage.dir}",
+            hint="run the same command again to resume",
+        ) from None
+    except InputError:
+        progress.close()
+        stage.discard()
+        raise
+    except MemoryError:
+        progress.close()
+        raise RuntimeFailure(
+            f"out of memory; finished shards are kept in {stage.dir}",
+            hint="rerun the same command (smaller blocks: --device cpu frees GPU memory)",
+        ) from None
+    except torch.cuda.OutOfMemoryError:
+        progress.close()
+        raise RuntimeFailure(
+            f"CUDA out of memory; finished shards are kept in {stage.dir}",
+            hint="rerun the same command, or with --device cpu",
+        ) from None
+    except OSError as exc:
+        progress.close()
+        raise RuntimeFailure(
+            f"I/O error ({exc.strerror or exc}); finished shards are kept in {stage.dir}",
+            hint="fix the cause (disk full?) and run the same command again to resume",
+        ) from None
+    progress.close()
+    timings["process"] = time.perf_counter() - t0
+
+    t1 = time.perf_counter()
+    if plan.write_index:
+        weight_map = {j.name: j.shard for j in plan.jobs}
+        stage.write_json(
+            INDEX_NAME,
+            {"metadata": {"total_size": plan.out_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+        )
+    copied = stage.copy_side_files(fts[0].path, set(fts[0].shards))
+    expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
+    verify_dir(stage.dir, expected=expected)
+    timings["verify"] = time.perf_counter() - t1
+    timings["total"] = time.perf_counter() - t_start + timings.get("plan", 0.0)
+
+    output = {
+        "path": str(out),
+        "shards": len(plan.shards),
+        "bytes": plan.out_bytes,
+        "index": plan.write_index,
+        "copied_files": copied,
+        "resumed_shards": stage.resumed,
+        "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
+    }
+    extra = extra_report() if extra_report else None
+    doc = report_mod.build_report(
+        output=output,
+        timings=timings,
+        memory=report_mod.peak_memory(device),
+        records=records,
+        extra=extra,
+        **common,
+    )
+    if rel_report is not None:
+        target = stage.dir / rel_report
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    stage.write_text("README.md", report_mod.model_card(doc))
+    try:
+        stage.finalize(overwrite=run.overwrite)
+    except OSError as exc:
+        raise RuntimeFailure(f"could not move {stage.dir} to {out}: {exc.strerror or exc}") from None
+    if abs_report is not None:
+        tmp = abs_report.with_name(abs_report.name + ".tmp")
+        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        os.replace(tmp, abs_report)
+    return doc

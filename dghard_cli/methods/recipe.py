@@ -1,0 +1,201 @@
+"""YAML merge recipes: ``dghard merge --config recipe.yaml``.
+
+A recipe holds the same things as the command line (see the README for the format)::
+
+    method: ties
+    base: ../examples/tiny/base
+    models:
+      - model: ../examples/tiny/ft
+        weight: 1.0
+      - ../examples/tiny/ft2          # weight 1
+    density: 0.2
+    lambda: 1.0
+    out: ../out/ties
+
+Read with ``yaml.safe_load`` only. Every key is checked (unknown key, wrong type, missing
+``method``/``base``/``models``) with a one-line error naming the recipe. Relative paths
+(models, ``out``, ``calib``, ``report``) are resolved against the recipe's directory; a model
+that is not a path there and looks like ``org/name`` is a Hugging Face Hub id.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dghard_cli.errors import InputError
+from dghard_cli.io.checkpoint import path_exists
+from dghard_cli.io.hub import is_hub_id
+
+MAX_RECIPE_BYTES = 1024 * 1024
+
+NUMBER, INT, STR, BOOL, STR_LIST, SIZE = "number", "integer", "string", "boolean", "list of strings", "size"
+
+TOP_KEYS: dict[str, str] = {
+    "method": STR,
+    "base": "model",
+    "models": "list of models",
+    "out": STR,
+    "alpha": NUMBER,
+    "lambda": NUMBER,
+    "density": NUMBER,
+    "seed": INT,
+    "scale": NUMBER,
+    "calib": STR,
+    "recall": "mapping",
+    "include": STR_LIST,
+    "exclude": STR_LIST,
+    "min_numel": INT,
+    "dtype": STR,
+    "shard_size": SIZE,
+    "allow_missing": BOOL,
+    "device": STR,
+    "report": STR,
+}
+MODEL_KEYS = {"model": STR, "weight": NUMBER, "revision": STR}
+RECALL_KEYS = {
+    "kernel": STR,
+    "pooling": STR,
+    "temperature": NUMBER,
+    "samples": INT,
+    "select": STR,
+    "max_tokens": INT,
+}
+
+
+@dataclass
+class ModelRef:
+    spec: str
+    weight: float | None = None
+    revision: str | None = None
+
+
+@dataclass
+class Recipe:
+    path: Path
+    method: str
+    base: ModelRef
+    models: list[ModelRef]
+    values: dict = field(default_factory=dict)  # every other top-level key given
+    recall: dict = field(default_factory=dict)
+
+    @property
+    def weights(self) -> list[float] | None:
+        if all(m.weight is None for m in self.models):
+            return None
+        return [1.0 if m.weight is None else m.weight for m in self.models]
+
+
+def _type_ok(value: object, kind: str) -> bool:
+    if kind == NUMBER:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if kind == INT:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind == STR:
+        return isinstance(value, str)
+    if kind == BOOL:
+        return isinstance(value, bool)
+    if kind == STR_LIST:
+        return isinstance(value, str) or (isinstance(value, list) and all(isinstance(v, str) for v in value))
+    if kind == SIZE:
+        return (isinstance(value, int) and not isinstance(value, bool)) or isinstance(value, str)
+    return True
+
+
+def _check_mapping(doc: dict, known: dict[str, str], where: str) -> None:
+    for key, value in doc.items():
+        if not isinstance(key, str) or key not in known:
+            raise InputError(f"{where}: unknown key {key!r} (known keys: {', '.join(known)})")
+        if value is None:
+            raise InputError(f"{where}: key {key!r} has no value")
+        if not _type_ok(value, known[key]):
+            raise InputError(
+                f"{where}: key {key!r} must be a {known[key]}, got {type(value).__name__} {value!r}"
+            )
+
+
+def _resolve_model(spec: str, root: Path) -> str:
+    p = Path(spec).expanduser()
+    if p.is_absolute():
+        return str(p)
+    candidate = root / p
+    if path_exists(candidate) or not is_hub_id(spec) or spec.startswith("."):
+        return os.path.normpath(candidate)
+    return spec
+
+
+def _resolve_path(value: str, root: Path) -> str:
+    p = Path(value).expanduser()
+    return str(p) if p.is_absolute() else os.path.normpath(root / p)
+
+
+def _model(entry: object, where: str, root: Path) -> ModelRef:
+    if isinstance(entry, str):
+        return ModelRef(_resolve_model(entry, root))
+    if not isinstance(entry, dict):
+        raise InputError(f"{where}: must be a path/Hub id or a mapping with 'model', got {entry!r}")
+    _check_mapping(entry, MODEL_KEYS, where)
+    if "model" not in entry:
+        raise InputError(f"{where}: missing 'model' (the checkpoint directory or Hub id)")
+    w = entry.get("weight")
+    return ModelRef(
+        _resolve_model(entry["model"], root), None if w is None else float(w), entry.get("revision")
+    )
+
+
+def read_yaml_file(path: Path, where: str, limit: int) -> object:
+    """A small YAML file read with ``yaml.safe_load`` only (no tag ever runs); a one-line
+    InputError naming ``where`` when it is missing, too large, not UTF-8 or not YAML."""
+    import yaml
+
+    if not path_exists(path) or not path.is_file():
+        raise InputError(f"{where}: no such file")
+    if path.stat().st_size > limit:
+        size = f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit} bytes"
+        raise InputError(f"{where}: larger than {size}; it should be a short YAML file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"{where}: cannot read as UTF-8 text ({exc})") from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise InputError(f"{where}: not valid YAML{at} ({problem})") from None
+
+
+def load_recipe(path: str | Path) -> Recipe:
+    """Parse and validate a recipe; InputError (exit 2) with a one-line message otherwise."""
+
+    path = Path(path).expanduser()
+    where = f"recipe {path}"
+    doc = read_yaml_file(path, where, MAX_RECIPE_BYTES)
+    if not isinstance(doc, dict):
+        raise InputError(f"{where}: must be a YAML mapping of keys (method, base, models, ...)")
+    _check_mapping(doc, TOP_KEYS, where)
+    for key in ("method", "base", "models"):
+        if key not in doc:
+            raise InputError(f"{where}: missing {key!r}")
+    root = path.parent
+    base = _model(doc["base"], f"{where}: base", root)
+    if base.weight is not None:
+        raise InputError(f"{where}: base: 'weight' applies to the fine-tunes under 'models', not to base")
+    models_doc = doc["models"]
+    if not isinstance(models_doc, list) or not models_doc:
+        raise InputError(f"{where}: 'models' must be a non-empty list of fine-tuned checkpoints")
+    models = [_model(e, f"{where}: models[{i}]", root) for i, e in enumerate(models_doc)]
+    recall = doc.get("recall", {})
+    if not isinstance(recall, dict):
+        raise InputError(f"{where}: key 'recall' must be a mapping of RECALL options")
+    _check_mapping(recall, RECALL_KEYS, f"{where}: recall")
+    values = {k: v for k, v in doc.items() if k not in ("method", "base", "models", "recall")}
+    for key in ("out", "calib", "report"):
+        if key in values:
+            values[key] = _resolve_path(values[key], root)
+    for key in ("include", "exclude"):
+        if isinstance(values.get(key), str):
+            values[key] = [values[key]]
+    return Recipe(path=path, method=doc["method"], base=base, models=models, values=values, recall=recall)

@@ -1,0 +1,1 @@
+"""Reports: the JSON report and model card, the HTML page, the plots."""

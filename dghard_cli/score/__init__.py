@@ -1,0 +1,1 @@
+"""``dghard score``: partition-conditioned scoring of evaluation results."""

@@ -1,0 +1,169 @@
+"""Running the user's evaluation command for ``dghard sweep`` and finding what it wrote.
+
+The template is run by the shell (``/bin/sh -c``) exactly as written, with ``{model}`` and
+``{output}`` replaced by shell-quoted paths (so a path with spaces or quotes stays one word;
+do not put quotes around the placeholders yourself). The command also sees ``DGHARD_MODEL``,
+``DGHARD_OUTPUT`` and ``DGHARD_CANDIDATE`` in its environment. It runs in its own process
+group, with stdin closed and stdout/stderr captured to files; on ``--eval-timeout`` or an
+interruption the whole group is terminated (then killed).
+
+``{output}`` is a path that does not exist yet: the command writes a JSON file there, or
+creates a directory there holding an lm-evaluation-harness ``results*.json`` (or exactly one
+``.json`` file). A template without ``{output}`` must print the results JSON on stdout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from dghard_cli.errors import InputError
+
+#: How much of the command's output the report keeps per evaluation.
+LOG_TAIL_LINES = 20
+LOG_TAIL_CHARS = 2000
+#: Grace period between SIGTERM and SIGKILL of a timed-out command's process group.
+KILL_GRACE_S = 5.0
+
+
+def check_template(template: str) -> None:
+    """InputError (exit 2) for a template the sweep cannot use."""
+    if not isinstance(template, str) or not template.strip():
+        raise InputError("--eval: empty evaluation command; e.g. --eval './my_eval.sh {model} {output}'")
+    if "{model}" not in template:
+        raise InputError(
+            f"--eval {template!r} has no {{model}} placeholder: the command must be told which "
+            "checkpoint to evaluate, e.g. --eval './my_eval.sh {model} {output}'"
+        )
+
+
+def render(template: str, model: Path, output: Path) -> str:
+    """The shell command: placeholders replaced by shell-quoted absolute paths."""
+    return template.replace("{model}", shlex.quote(str(model))).replace("{output}", shlex.quote(str(output)))
+
+
+@dataclass
+class EvalRun:
+    """What one run of the evaluation command did."""
+
+    status: str  # "ok" | "failed" | "timeout"
+    returncode: int | None
+    seconds: float
+    message: str | None
+    log_tail: str | None
+    stdout: Path
+    stderr: Path
+
+
+def _tail(path: Path) -> str:
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0, os.SEEK_END)
+            size = fh.tell()
+            fh.seek(max(0, size - 64 * 1024))
+            data = fh.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    lines = [ln.rstrip() for ln in data.splitlines() if ln.strip()]
+    text = "\n".join(lines[-LOG_TAIL_LINES:])
+    return text[-LOG_TAIL_CHARS:]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """Terminate the command's process group (it leads its own session), then kill what is left."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(timeout=KILL_GRACE_S)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their leader, too
+    proc.wait()
+
+
+def run_command(
+    template: str,
+    model: Path,
+    output: Path,
+    logs: Path,
+    *,
+    timeout: float | None,
+    label: str,
+) -> EvalRun:
+    """Run the evaluation of ``model``; ``logs`` is a directory for its stdout and stderr."""
+    logs.mkdir(parents=True, exist_ok=True)
+    out_log, err_log = logs / "stdout.log", logs / "stderr.log"
+    cmd = render(template, model, output)
+    env = dict(os.environ)
+    env.update({"DGHARD_MODEL": str(model), "DGHARD_OUTPUT": str(output), "DGHARD_CANDIDATE": label})
+    t0 = time.perf_counter()
+    with open(out_log, "wb") as so, open(err_log, "wb") as se:
+        proc = subprocess.Popen(
+            cmd,
+            shell=True,
+            stdin=subprocess.DEVNULL,
+            stdout=so,
+            stderr=se,
+            env=env,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            secs = time.perf_counter() - t0
+            return EvalRun(
+                "timeout",
+                None,
+                secs,
+                f"evaluation timed out after {timeout:g} s (--eval-timeout); its processes were killed",
+                _tail(err_log) or _tail(out_log),
+                out_log,
+                err_log,
+            )
+        except BaseException:  # interrupted: take the evaluation down with us
+            _kill_group(proc)
+            raise
+    secs = time.perf_counter() - t0
+    if rc != 0:
+        tail = _tail(err_log) or _tail(out_log)
+        last = tail.splitlines()[-1] if tail else "no output"
+        how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
+        return EvalRun("failed", rc, secs, f"evaluation command {how}: {last}", tail, out_log, err_log)
+    return EvalRun("ok", 0, secs, None, None, out_log, err_log)
+
+
+def locate_results(output: Path, stdout: Path, *, uses_output: bool) -> Path:
+    """The results file the command produced; InputError (the candidate is unreadable) if none."""
+    from dghard_cli.score.scoring import find_results_file
+
+    if output.is_file():
+        return output
+    if output.is_dir():
+        found = sorted(p for p in output.rglob("results*.json") if p.is_file())
+        if found:
+            return find_results_file(output)
+        any_json = sorted(p for p in output.rglob("*.json") if p.is_file())
+        if len(any_json) == 1:
+            return any_json[0]
+        if not any_json:
+            raise InputError(f"the evaluation wrote no JSON file into {{output}} ({output})")
+        raise InputError(
+            f"the evaluation wrote {len(any_json)} JSON files into {{output}} and none is named "
+            "results*.json; write one results file"
+        )
+    if not uses_output:
+        text = stdout.read_text(encoding="utf-8", errors="replace").strip() if stdout.exists() else ""
+        if not text:
+            raise InputError(
+                "the evaluation printed nothing on stdout (a template without {output} must print the results JSON)"
+            )
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n", encoding="utf-8")
+        return output
+    raise InputError(f"the evaluation exited 0 but wrote nothing at {{output}} ({output})")
