@@ -117,7 +117,7 @@ def test_bad_specs_are_input_errors(kwargs):
 
 def _job_and_sources(delta: np.ndarray, base: np.ndarray | None = None):
     """A one-matrix job whose inputs live in memory (for the per-tensor routes)."""
-    from dghard_cli.engine.pipeline import Sources
+    from dghard_cli.engine.ops import JobInputs
     from dghard_cli.engine.plan import TensorJob
 
     b = base if base is not None else np.zeros_like(delta)
@@ -135,7 +135,7 @@ def _job_and_sources(delta: np.ndarray, base: np.ndarray | None = None):
             return self.decode(None, rows)
 
     job = TensorJob("w", "method", None, tuple(delta.shape), "F32", base=Info(b), fts=[Info(f)])
-    return job, Sources(job, None)
+    return job, JobInputs(job, None)
 
 
 @pytest.mark.parametrize("shape", [(600, 200), (200, 600), (300, 300)])
@@ -147,7 +147,8 @@ def test_float32_qr_route_matches_the_float64_reference(shape):
         ref, rank, tau = ref_filter(d)
         job, src = _job_and_sources(d)
         op = SpectralFilterOp(ShrinkSpec(), torch.device("cpu"), block_bytes=64 * 200 * 8, route="qr32")
-        ds, filt = op.spectrum(job, src)
+        ds, dec = op.spectrum(job, src)
+        filt = dec.filtered
         assert filt.stats["rank_kept"] == rank
         assert abs(filt.tau - tau) <= 1e-6 * tau
         from dghard_cli.spectral.spectrum import Projector

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from dghard_cli import __version__
+from dghard_cli.architecture import EMBEDDING_OR_HEAD_PARTS, VOCAB_LEAVES
 from dghard_cli.audit.findings import CODES, LEVELS, Finding, finding, natural_key, reaches, sort_findings
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.errors import InputError
@@ -428,9 +429,7 @@ def full_tensor_findings(cfg: LoraConfig, lay: AdapterLayout) -> list[Finding]:
             continue
         if leaf == "bias" and cfg.bias in ("all", "lora_only"):
             continue
-        if ".base_layer." in t.name or any(
-            e in base_name for e in ("embed", "wte", "lm_head", "word_embeddings")
-        ):
+        if ".base_layer." in t.name or any(e in base_name for e in EMBEDDING_OR_HEAD_PARTS):
             continue  # embedding layers saved with save_embedding_layers
         out.append(
             finding(
@@ -836,6 +835,12 @@ def audit_lora(
     Returns the findings document (``schema_version`` 1, see the README). Raises
     :class:`~dghard_cli.errors.InputError` for unreadable input (exit 2); a finding at or above
     ``fail_on`` sets ``summary.failed`` (the CLI exits 1).
+
+    Example::
+
+        from dghard_cli import audit_lora
+        doc = audit_lora("my-adapter/", base="base/", fail_on="warn")
+        print(doc["summary"]["verdict"], [f["code"] for f in doc["findings"]])
     """
     o = options or AuditOptions(
         fail_on=fail_on,
@@ -1006,7 +1011,7 @@ def _audit_against_base(
                     transposed = not transposed
                 else:
                     hint = ""
-                    if geo.kind == "embedding" or name.rsplit(".", 1)[-1] in ("lm_head", "embed_tokens"):
+                    if geo.kind == "embedding" or name.rsplit(".", 1)[-1] in VOCAB_LEAVES:
                         hint = " (vocabulary resized? resize the base's embeddings first)"
                     run.findings.append(
                         finding(

@@ -32,6 +32,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.architecture import OUTPUT_LAYER_NAMES
 from dghard_cli.audit.findings import Finding, finding
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo, _safe_member, allowed_root, read_json_file
@@ -97,9 +98,6 @@ KNOWN_KEYS = frozenset(
         "ensure_weight_tying",
     }
 )
-
-#: Leaf names of output layers, which ``target_modules="all-linear"`` leaves out.
-OUTPUT_LAYER_NAMES = ("lm_head", "embed_out", "output_layer")
 
 
 # -- config ---------------------------------------------------------------------------------------

@@ -25,15 +25,16 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.pipeline import Sources, cast_out
+from dghard_cli.engine.ops import JobInputs, cast_out
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
-from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.methods import ties as T
 from dghard_cli.methods.dare import DareStream
-from dghard_cli.methods.dg_hard import delta_blocks, delta_spectrum
+from dghard_cli.methods.dg_hard import delta_spectrum, filtered_pass
 from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
-from dghard_cli.spectral.spectrum import ROUTE, Projector, ShrinkSpec, filter_spectrum
+from dghard_cli.methods.wise_ft import wise_ft_delta
+from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, decide
+from dghard_cli.spectral.spectrum import ROUTE, Projector, ShrinkSpec
 
 BLOCK_BYTES = 64 * 1024 * 1024
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
@@ -91,7 +92,7 @@ class WiseFTKernel(Kernel):
         self.alpha = alpha
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        return deltas[0] * self.alpha
+        return wise_ft_delta(deltas[0], self.alpha)
 
 
 class TaskArithmeticKernel(Kernel):
@@ -249,14 +250,14 @@ class ElementwiseMergeOp:
         self.block_bytes = block_bytes
         self.whole_bytes = max(whole_bytes, block_bytes)
 
-    def _read(self, job: TensorJob, src: Sources, key: str, rows, wd: torch.dtype) -> torch.Tensor:
+    def _read(self, job: TensorJob, src: JobInputs, key: str, rows, wd: torch.dtype) -> torch.Tensor:
         full = rows is None and job.shared_rows is not None
         r = (0, job.shared_rows) if full else rows
         t = src.base(r) if key == "base" else src.ft(int(key[2:]), r)
         return t.to(device=self.device, dtype=wd)
 
     @staticmethod
-    def _exact(job: TensorJob, src: Sources, i: int) -> T.ExactMagnitudes:
+    def _exact(job: TensorJob, src: JobInputs, i: int) -> T.ExactMagnitudes:
         """|W_i − W_base| in float64 at flat positions, read from the inputs when asked."""
         rows = (0, job.shared_rows) if job.shared_rows is not None else None
 
@@ -267,7 +268,7 @@ class ElementwiseMergeOp:
 
         return exact
 
-    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+    def __call__(self, job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
         wd = work_dtype(job)
         n = len(job.fts)
         kernel = self.make_kernel(job)
@@ -319,14 +320,6 @@ class ElementwiseMergeOp:
         rec.update(kernel.stats())
 
 
-def _identity_projector(m: int, device: torch.device) -> Projector:
-    return Projector(
-        c=1.0,
-        vs=torch.zeros((m, 0), dtype=torch.float64, device=device),
-        d=torch.zeros(0, dtype=torch.float64, device=device),
-    )
-
-
 class SpectralMergeOp:
     """DG-Hard in merge: ``W_base + λ·Σ_i w_i·Δ_i*`` on eligible matrices, task arithmetic elsewhere."""
 
@@ -348,7 +341,7 @@ class SpectralMergeOp:
             lambda job: TaskArithmeticKernel(self.weights, self.lam), device, block_bytes
         )
 
-    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+    def __call__(self, job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
         if not self.is_matrix(job):
             rec["merge_rule"] = "task-arithmetic"
             yield from self.fallback(job, src, rec)
@@ -361,12 +354,13 @@ class SpectralMergeOp:
         for i, info in enumerate(job.fts):
             ds = delta_spectrum(job, src, dev, self.block_bytes, ft=i)
             norms.append(math.sqrt(max(ds.fro2, 0.0)))
-            if ds.spectrum is None:
+            dec = decide(ds.spectrum, self.spec, ft_dtype=info.dtype, rms_ft=ds.rms_ft)
+            shape = ds.shape
+            if dec.kind == UNCHANGED:
                 projectors.append(None)
                 per_ft.append({"decision": "unchanged", "rank_kept": 0})
                 continue
-            filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=info.dtype, rms_ft=ds.rms_ft)
-            st = filt.stats
+            st = dec.stats
             entry = {
                 "rank_kept": st["rank_kept"],
                 "tau": float(f"{st['tau']:.10g}"),
@@ -374,13 +368,11 @@ class SpectralMergeOp:
                 "energy_kept": float(f"{st['energy_kept']:.10g}"),
                 "decision": "filtered",
             }
-            if self.spec.noise == "median" and st.get("low_rank"):
+            if dec.kind == LOW_RANK:
                 entry["decision"] = "low-rank (kept whole)"
                 entry["rank_kept"] = int(st["low_rank"])
                 entry["energy_kept"] = 1.0
-                projectors.append(_identity_projector(ds.spectrum.small, dev))
-            else:
-                projectors.append(Projector.from_weights(ds.spectrum, filt.weights))
+            projectors.append(dec.projector(ds.spectrum, dev))
             per_ft.append(entry)
         rec["delta_norms"] = norms
         rec["delta_norm"] = norms[0]
@@ -388,33 +380,19 @@ class SpectralMergeOp:
         rec["spectral"] = per_ft
         rec["route"] = ROUTE
 
-        rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
-        cols = job.shape[1]
-        tall = rows >= cols
-        out_dtype = torch_dtype(job.out_dtype)
-        gens = [delta_blocks(src, rows, cols, dev, self.block_bytes, ft=i) for i in range(len(job.fts))]
-        full = None if tall else torch.empty((rows, cols), dtype=out_dtype, device=dev)
-        for parts in zip(*gens, strict=True):
-            rng = parts[0][0]
-            b64 = parts[0][1].to(torch.float64)
-            acc = torch.zeros_like(b64 if tall else b64.T)
-            for (_, _, f), proj, w in zip(parts, projectors, self.weights, strict=True):
-                if proj is None or proj.zero or w == 0:
-                    continue
-                x = f.to(torch.float64) - b64
-                acc.add_(proj.apply(x if tall else x.T), alpha=w)
-            if self.lam != 1.0:
-                acc.mul_(self.lam)
-            out = b64 + (acc if tall else acc.T)
+        def finite(out: torch.Tensor) -> torch.Tensor:
             if not math.isfinite(_sumsq(out)):
                 raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
-            out = out.to(out_dtype)
-            if tall:
-                yield out.cpu()
-            else:
-                assert full is not None
-                full[:, rng[0] : rng[1]] = out
-        if full is not None:
-            yield full.cpu()
-        if job.shared_rows is not None and job.shape[0] > rows:
-            yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)
+            return out
+
+        yield from filtered_pass(
+            job,
+            src,
+            shape,
+            dev,
+            self.block_bytes,
+            projectors,
+            check=finite,
+            weights=self.weights,
+            lam=self.lam,
+        )

@@ -283,14 +283,14 @@ def _tasks_to_score(doc: Mapping, subtasks: bool) -> list[str]:
 
 def _apply_scale(raw: dict[str, tuple[float, float | None]], scale: str, source: str) -> tuple[str, dict]:
     if scale not in SCALES:
-        raise InputError(f"--scale {scale!r} is not one of {', '.join(SCALES)}")
+        raise InputError(f"--units {scale!r} is not one of {', '.join(SCALES)}")
     values = [v for v, _ in raw.values()] + [s for _, s in raw.values() if s is not None]
     if scale == "auto":
         scale = "fraction" if all(0.0 <= v <= 1.0 for v in values) else "points"
     if scale == "fraction":
         bad = [(t, v) for t, (v, _) in raw.items() if not 0.0 <= v <= 1.0]
         if bad:
-            raise InputError(f"{source}: --scale fraction but {bad[0][0]!r} is {bad[0][1]:g}, not in [0, 1]")
+            raise InputError(f"{source}: --units fraction but {bad[0][0]!r} is {bad[0][1]:g}, not in [0, 1]")
         return scale, {t: Score(100.0 * v, None if s is None else 100.0 * s) for t, (v, s) in raw.items()}
     return scale, {t: Score(v, s) for t, (v, s) in raw.items()}
 
@@ -328,7 +328,10 @@ def read_results(
 
 
 def load_results(path: str | Path, **kwargs) -> dict[str, Score]:
-    """``{benchmark: Score(points, stderr points or None)}`` of one results file."""
+    """``{benchmark: Score(points, stderr points or None)}`` of one results file.
+
+    Public in-memory API (the commands use :func:`read_results`).
+    """
     return read_results(path, **kwargs).scores
 
 
@@ -748,78 +751,3 @@ def score_files(
 
 
 # -- terminal rendering ------------------------------------------------------------------------
-
-
-def _fmt(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
-    return "—" if v is None else f"{v:{spec}}{suffix}"
-
-
-def render(console, doc: dict) -> None:
-    """Tables for the terminal: benchmarks and partitions, one per candidate, the ranking."""
-    from rich.table import Table
-    from rich.text import Text
-
-    t = Table(title="benchmarks (points)", box=None, header_style="bold")
-    for col in ("benchmark", "base", "ft", "ft − base", "margin", "partition"):
-        t.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
-    for bm in doc["benchmarks"]:
-        se_b = f" ± {bm['base_stderr']:.2f}" if bm["base_stderr"] is not None else ""
-        se_f = f" ± {bm['ft_stderr']:.2f}" if bm["ft_stderr"] is not None else ""
-        t.add_row(
-            Text(bm["name"]),
-            f"{bm['base']:.2f}{se_b}",
-            f"{bm['ft']:.2f}{se_f}",
-            f"{bm['ft_change']:+.2f}",
-            f"{bm['margin']:.2f}",
-            bm["partition"],
-        )
-    console.print(t)
-    label = {"damaged": "repair", "improved": "retention", "unchanged": "change", "target": "target"}
-    for cd in doc["candidates"]:
-        ct = Table(title=f"candidate {cd['name']}", box=None, header_style="bold")
-        for col in ("benchmark", "partition", "score", "vs ft", "vs base", "per-benchmark"):
-            ct.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
-        for r in cd["benchmarks"]:
-            unit = " pt" if r["partition"] == "unchanged" else " %"
-            ct.add_row(
-                Text(r["name"]),
-                r["partition"],
-                f"{r['value']:.2f}",
-                f"{r['vs_ft']:+.2f}",
-                f"{r['vs_base']:+.2f}",
-                f"{label[r['partition']]} {_fmt(r['score'], '+.1f' if unit == ' pt' else '.1f', unit)}",
-            )
-        console.print(ct)
-        console.print(
-            Text(
-                f"  HM {_fmt(cd['hm'], '.1f')}   repair {_fmt(cd['repair'], '.1f', ' %')}"
-                f"   retention {_fmt(cd['retention'], '.1f', ' %')}"
-            )
-        )
-        line = f"  unchanged {_fmt(cd['unchanged_mean_change'], '+.2f', ' pt')}"
-        if doc["targets"]:
-            line += f"   target retention {_fmt(cd['target_retention_mean'], '.1f', ' %')}"
-        console.print(Text(line))
-        console.print()
-    if len(doc["candidates"]) > 1:
-        rt = Table(title="ranking", box=None, header_style="bold")
-        for col in ("rank", "candidate", "HM", "repair %", "retention %", "unchanged pt", "target %"):
-            rt.add_column(col, justify="left" if col == "candidate" else "right")
-        by_name = {c["name"]: c for c in doc["candidates"]}
-        for i, n in enumerate(doc["ranking"], 1):
-            cd = by_name[n]
-            rt.add_row(
-                str(i),
-                Text(n),
-                _fmt(cd["hm"], ".1f"),
-                _fmt(cd["repair"], ".1f"),
-                _fmt(cd["retention"], ".1f"),
-                _fmt(cd["unchanged_mean_change"], "+.2f"),
-                _fmt(cd["target_retention_mean"], ".1f"),
-            )
-        console.print(rt)
-    for w in doc["warnings"]:
-        console.print(Text(f"warning: {w}"))
-    g = doc.get("gate")
-    if g:
-        console.print(Text(f"gate: {'PASS' if g['passed'] else 'FAIL'}: {g['reason']}"))

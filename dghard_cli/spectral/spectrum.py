@@ -92,7 +92,6 @@ class Spectrum:
     fro2: float  # ‖Δ‖_F² (trace of the Gram matrix)
     gram: torch.Tensor | None = None  # M x M float64, kept while vectors may still be asked for
     full_vectors: torch.Tensor | None = None  # M x M float64, columns ordered like ``sigma``
-    vector_route: str = "eigh"  # how the vectors were obtained: eigh | chebyshev
 
     @property
     def vectors(self) -> torch.Tensor:
@@ -101,7 +100,6 @@ class Spectrum:
             assert self.gram is not None, "spectrum has neither vectors nor its Gram matrix"
             _, evecs = torch.linalg.eigh(self.gram)
             self.full_vectors = evecs.flip(1)
-            self.vector_route = "eigh"
         return self.full_vectors
 
     @vectors.setter
@@ -119,7 +117,6 @@ class Spectrum:
         if self.full_vectors is None and self.gram is not None and idx.size:
             vecs = partial_eigenvectors(self.gram, self.sigma**2, idx)
             if vecs is not None:
-                self.vector_route = "chebyshev"
                 return vecs
         v = self.vectors
         return v[:, torch.as_tensor(idx, device=v.device, dtype=torch.long)]
@@ -538,7 +535,10 @@ def filter_dense(
     rms_ft: float | None = None,
     block_bytes: int = 64 * 1024 * 1024,
 ) -> tuple[torch.Tensor, Filtered]:
-    """Filter an in-memory delta (any device); returns ``Δ*`` in float64 and the statistics."""
+    """Filter an in-memory delta (any device); returns ``Δ*`` in float64 and the statistics.
+
+    Public in-memory API (the commands stream row blocks through ``SpectralFilterOp``).
+    """
     if delta.ndim != 2:
         raise ValueError("filter_dense needs a 2-D tensor")
     shape = (int(delta.shape[0]), int(delta.shape[1]))

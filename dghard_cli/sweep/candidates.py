@@ -33,6 +33,7 @@ from pathlib import Path
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
+from dghard_cli.methods import registry
 from dghard_cli.methods.recipe import read_yaml_file
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
@@ -105,59 +106,26 @@ KINDS: dict[str, FamilyKind] = {
             "one",
             "one",
         ),
-        FamilyKind("wise-ft", "merge", ("alpha",), (), {"alpha": (0.0, 1.0)}, frozenset(), "one", "one"),
-        FamilyKind(
-            "task-arithmetic",
-            "merge",
-            ("lambda",),
-            ("weights",),
-            {"lambda": (0.0, 2.0)},
-            frozenset(),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "ties",
-            "merge",
-            ("density", "lambda"),
-            ("weights", "density", "lambda"),
-            {"density": (0.01, 1.0), "lambda": (0.0, 2.0)},
-            frozenset({"density"}),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "dare-linear",
-            "merge",
-            ("density", "lambda"),
-            ("weights", "density", "lambda", "seed"),
-            {"density": (0.01, 1.0), "lambda": (0.0, 2.0)},
-            frozenset({"density"}),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "dare-ties",
-            "merge",
-            ("density", "lambda"),
-            ("weights", "density", "lambda", "seed"),
-            {"density": (0.01, 1.0), "lambda": (0.0, 2.0)},
-            frozenset({"density"}),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "dg-hard",
-            "merge",
-            ("scale", "lambda"),
-            ("weights", "scale", "lambda"),
-            {"scale": _SCALE_RANGE, "lambda": (0.0, 2.0)},
-            frozenset({"scale"}),
-            "any",
-            "several",
-        ),
     )
 }
+
+
+def _merge_kind(m: registry.MergeMethod) -> FamilyKind:
+    """A merge method's sweep family, from its declaration in the registry."""
+    par = registry.params()
+    return FamilyKind(
+        m.name,
+        "merge",
+        m.sweep_axes,
+        m.sweep_fixed,
+        {a: par[a].sweep_range for a in m.sweep_axes},  # type: ignore[misc]
+        frozenset(a for a in m.sweep_axes if par[a].sweep_log),
+        m.fine_tunes,
+        "one" if m.fine_tunes == "one" else "several",
+    )
+
+
+KINDS.update({m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes})
 
 ENTRY_KEYS = ("family", "axis", "grid", "range", "log", "tolerance", "refine", "fixed", "fine_tunes")
 
@@ -324,18 +292,25 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
         if key == axis:
             raise InputError(f"{at}: {key!r} is the swept axis and cannot also be fixed")
         val = fixed[key]
+        vkind = (
+            "noise" if key == "noise" else registry.params()[key].kind if key in registry.params() else None
+        )
         ok = (
             isinstance(val, str)
-            if key == "noise"
+            if vkind == "noise"
             else isinstance(val, list) and bool(val) and all(_num(w) for w in val)
-            if key == "weights"
+            if vkind == registry.WEIGHTS
             else isinstance(val, int) and not isinstance(val, bool)
-            if key == "seed"
+            if vkind == registry.INT
             else _num(val)
         )
         if not ok:
-            want = {"noise": "median or known", "weights": "a list of numbers", "seed": "an integer"}
-            raise InputError(f"{at}: fixed {key} must be {want.get(key, 'a number')}, got {val!r}")
+            want = {
+                "noise": "median or known",
+                registry.WEIGHTS: "a list of numbers",
+                registry.INT: "an integer",
+            }
+            raise InputError(f"{at}: fixed {key} must be {want.get(vkind, 'a number')}, got {val!r}")
     when = raw.get("fine_tunes")
     if when is not None:
         if when not in ("one", "several", "any"):
@@ -426,21 +401,12 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
         weights = vals.get("weights")
         if weights is not None and (not isinstance(weights, list) or not all(_num(w) for w in weights)):
             raise InputError("'weights' must be a list of numbers")
-        opts = MergeOptions(
-            method=entry.family,
-            alpha=vals.get("alpha"),
-            weights=None if weights is None else [float(w) for w in weights],
-            lam=vals.get("lambda"),
-            density=vals.get("density"),
-            seed=vals.get("seed"),
-            scale=vals.get("scale"),
-        )
-        p = resolve_parameters(opts, n_fts)
-        p = {
-            k: v
-            for k, v in p.items()
-            if k in ("method", "alpha", "weights", "lambda", "density", "seed", "scale")
-        }
+        given = {q.name: vals.get(q.name) for q in registry.scalar_params()}
+        given["weights"] = None if weights is None else [float(w) for w in weights]
+        kwargs, extra = registry.options_values(given)
+        p = resolve_parameters(MergeOptions(method=entry.family, extra=extra, **kwargs), n_fts)
+        carried = {"method", *(q.name for q in registry.scalar_params())}
+        p = {k: v for k, v in p.items() if k in carried}
     params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in p.items()))
     return Candidate(
         entry=entry.index, family=entry.family, command=kind.command, axis=axis, value=value, params=params
@@ -459,16 +425,9 @@ def reproduce_argv(cand: Candidate, base: str, fts: list[str], out: str, device:
             argv += ["--noise", "known", "--sigma", _fmt(p["sigma"])]
         return argv + dev
     argv = ["dghard", "merge", "--method", p["method"]]
-    for key, flag in (
-        ("alpha", "--alpha"),
-        ("weights", "--weights"),
-        ("lambda", "--lambda"),
-        ("density", "--density"),
-        ("seed", "--seed"),
-        ("scale", "--scale"),
-    ):
-        if key in p:
-            argv += [flag, _fmt(p[key])]
+    for q in registry.scalar_params():
+        if q.name in p:
+            argv += [q.cli_flag, _fmt(p[q.name])]
     return argv + [base, *fts, "--out", out] + dev
 
 
@@ -477,11 +436,22 @@ def shell_command(argv: list[str]) -> str:
 
 
 def write_candidate(
-    cand: Candidate, base: str, fts: list[str], out: Path, *, device: str, argv: list[str]
+    cand: Candidate,
+    base: str,
+    fts: list[str],
+    out: Path,
+    *,
+    device: str,
+    argv: list[str],
+    report_out: str | None = None,
 ) -> dict:
-    """Write ``cand`` into ``out`` with the command's own library function; returns its report."""
+    """Write ``cand`` into ``out`` with the command's own library function; returns its report.
+
+    ``report_out``: the output path its report names (the sweep's OUT, where the winner is
+    moved); None: ``out``.
+    """
     p = cand.param_dict
-    run = RunOptions(device=device, quiet=True, argv=argv)
+    run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
     if cand.command == "repair":
         spec = ShrinkSpec(
             shrink=p["shrink"],
@@ -492,14 +462,5 @@ def write_candidate(
             b=p.get("b", 0.0),
         )
         return repair(base, fts[0], out, RepairOptions(spec=spec, run=run))
-    opts = MergeOptions(
-        method=p["method"],
-        alpha=p.get("alpha"),
-        weights=p.get("weights"),
-        lam=p.get("lambda"),
-        density=p.get("density"),
-        seed=p.get("seed"),
-        scale=p.get("scale"),
-        run=run,
-    )
-    return merge(base, fts, out, opts)
+    kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
+    return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, **kwargs))

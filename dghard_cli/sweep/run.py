@@ -41,8 +41,8 @@ from pathlib import Path
 import torch
 
 from dghard_cli import __version__
-from dghard_cli.engine.runner import REPORT_NAME
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
+from dghard_cli.io.atomic import copy_file_atomic, swap_dir_into_place, write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
@@ -118,9 +118,7 @@ def dir_bytes(path: Path) -> int:
 
 
 def _write_json(path: Path, doc: object) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    write_json_atomic(path, doc, default=str)
 
 
 class Cache:
@@ -146,8 +144,7 @@ class Cache:
         rec = dict(rec, key=key)
         if results is not None:
             name = f"{key}.results.json"
-            shutil.copyfile(results, self.dir / (name + ".tmp"))
-            os.replace(self.dir / (name + ".tmp"), self.dir / name)
+            copy_file_atomic(results, self.dir / name)
             rec["results"] = name
         else:
             rec["results"] = None
@@ -464,8 +461,15 @@ class _Sweep:
     def write(self, cand: Candidate, key: str, target: Path) -> dict:
         shutil.rmtree(target, ignore_errors=True)
         t0 = time.perf_counter()
+        # the candidate's report names OUT, where the winner ends up: written once, never patched
         write_candidate(
-            cand, self.base_spec, self.ft_specs, target, device=self.opts.device, argv=self.reproduce(cand)
+            cand,
+            self.base_spec,
+            self.ft_specs,
+            target,
+            device=self.opts.device,
+            argv=self.reproduce(cand),
+            report_out=self.out_arg,
         )
         secs = time.perf_counter() - t0
         self.t["write"] += secs
@@ -648,7 +652,6 @@ class _Sweep:
                 regenerated = True
             os.replace(wdir, final)
             (self.stage / "winner.key").unlink(missing_ok=True)
-            self._fix_report_path(final)
         else:
             shutil.rmtree(self.stage / "winner", ignore_errors=True)
             (self.stage / "winner.key").unlink(missing_ok=True)
@@ -664,32 +667,8 @@ class _Sweep:
         shutil.rmtree(self.stage, ignore_errors=True)
         return doc
 
-    def _fix_report_path(self, final: Path) -> None:
-        """The winner's own report names OUT as its output (it was written in the staging dir)."""
-        rp = final / REPORT_NAME
-        try:
-            rep = json.loads(rp.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            return
-        if isinstance(rep.get("output"), dict):
-            rep["output"]["path"] = self.out_arg
-            _write_json(rp, rep)
-
     def move_into_place(self, final: Path) -> None:
-        out = self.out
-        backup = None
-        if out.exists():
-            if any(out.iterdir()):
-                if not self.opts.overwrite:
-                    raise InputError(f"output {out} appeared while the sweep ran; pass --overwrite")
-                backup = out.parent / f".{out.name}.dghard-old"
-                shutil.rmtree(backup, ignore_errors=True)
-                os.replace(out, backup)
-            else:
-                out.rmdir()
-        os.replace(final, out)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
+        swap_dir_into_place(final, self.out, overwrite=self.opts.overwrite, during="the sweep ran")
 
     def plot(self, final: Path, winner: dict | None) -> str | None:
         try:
@@ -864,5 +843,11 @@ def sweep(base: str | Path, ft: str | Path, out: str | Path, options: SweepOptio
     evaluation), Interrupted (the staging directory is kept: rerun to resume). A candidate
     that cannot be evaluated is reported, not raised. The caller judges ``doc["gate"]`` and
     ``doc["winner"]`` (None: nothing qualified).
+
+    Example::
+
+        from dghard_cli import SweepOptions, sweep
+        doc = sweep("base/", "ft/", "best/", SweepOptions(eval_template="./eval.sh {model} {output}", budget=8))
+        print(doc["winner"]["reproduce"]["command"] if doc["winner"] else doc["no_winner_reason"])
     """
     return _Sweep(str(base), str(ft), Path(out), options).run()
