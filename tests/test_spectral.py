@@ -6,7 +6,8 @@ import torch
 from reference import ref_filter, ref_omega, rel
 
 from dghard_cli.errors import InputError
-from dghard_cli.spectral.spectrum import ShrinkSpec, filter_dense, gd_threshold
+from dghard_cli.spectral.shrinkers import filter_dense, gd_threshold
+from dghard_cli.spectral.spectrum import ShrinkSpec
 
 
 def spiked(m, n, *, rank=4, strengths=(6.0, 3.0, 2.0, 1.2), noise=0.01, seed=0):
@@ -164,7 +165,7 @@ def test_float32_qr_route_matches_the_float64_reference(shape):
 
 def test_float32_qr_route_falls_back_to_float64_when_the_cut_is_ambiguous():
     from dghard_cli.methods.dg_hard import SpectralFilterOp
-    from dghard_cli.spectral.spectrum import omega
+    from dghard_cli.spectral.marchenko_pastur import omega
 
     rng = np.random.default_rng(0)
     m, n = 400, 200

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from dghard_cli.engine.device import resolve_device
-from dghard_cli.engine.ops import TensorOp
+from dghard_cli.engine.ops import TensorOp, base_record
 from dghard_cli.engine.pipeline import EngineOptions, execute
 from dghard_cli.engine.plan import Plan
 from dghard_cli.engine.progress import Progress
@@ -67,22 +67,13 @@ def fingerprint(command: str, method: str, parameters: dict, plan: Plan, inputs:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: What a dry run's records leave out of a tensor's record: only the plan is known.
+_UNREAD_KEYS = ("input_dtype", "shared_rows", "base_rows")
+
+
 def plan_records(plan: Plan) -> list[dict]:
-    out = []
-    for j in plan.jobs:
-        rec = {
-            "name": j.name,
-            "shape": list(j.shape),
-            "dtype": j.out_dtype,
-            "action": j.action,
-            "shard": j.shard,
-        }
-        if j.reason:
-            rec["reason"] = j.reason
-        if j.tied_to:
-            rec["tied_to"] = j.tied_to
-        out.append(rec)
-    return out
+    """The records of a dry run: each tensor's record as far as the plan says it."""
+    return [{k: v for k, v in base_record(j).items() if k not in _UNREAD_KEYS} for j in plan.jobs]
 
 
 def inputs_doc(base: Checkpoint, fts: list[Checkpoint]) -> dict:

@@ -24,12 +24,7 @@ from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, Decision, decide
-from dghard_cli.spectral.spectrum import (
-    ROUTE,
-    ROUTE_QR32,
-    Projector,
-    ShrinkSpec,
-    Spectrum,
+from dghard_cli.spectral.routes import (
     block_rows,
     choose_route,
     gram_add_,
@@ -37,6 +32,7 @@ from dghard_cli.spectral.spectrum import (
     spectrum_from_gram,
     spectrum_from_r,
 )
+from dghard_cli.spectral.spectrum import ROUTE, ROUTE_QR32, Projector, ShrinkSpec, Spectrum
 
 
 class NonFiniteDelta(InputError):

@@ -13,7 +13,7 @@ bf16/fp16 numbers is exact in float32; that of two float32 numbers is rounded on
 top-k stays exact anyway (see :mod:`dghard_cli.methods.ties`: the few entries whose rounded
 magnitude equals the rounded threshold are ranked by their float64 magnitude).
 
-:class:`SpectralMergeOp` is DG-Hard in merge: each Δ_i of an eligible matrix is filtered as in
+:class:`~dghard_cli.methods.spectral_merge.SpectralMergeOp` is DG-Hard in merge: each Δ_i of an eligible matrix is filtered as in
 ``repair`` (same spectra, same projector), then combined by task arithmetic; tensors that are
 not eligible matrices get plain task arithmetic.
 """
@@ -30,11 +30,8 @@ from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.methods import ties as T
 from dghard_cli.methods.dare import DareStream
-from dghard_cli.methods.dg_hard import delta_spectrum, filtered_pass
 from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
 from dghard_cli.methods.wise_ft import wise_ft_delta
-from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, decide
-from dghard_cli.spectral.spectrum import ROUTE, Projector, ShrinkSpec
 
 BLOCK_BYTES = 64 * 1024 * 1024
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
@@ -224,7 +221,7 @@ class LayerWeightsKernel(Kernel):
         return {"recall_group": self.group, "recall_weights": self.alpha}
 
 
-def _sumsq(t: torch.Tensor) -> float:
+def squared_norm(t: torch.Tensor) -> float:
     """‖t‖² in one pass with no temporary; NaN/Inf anywhere in ``t`` make it non-finite."""
     flat = t.reshape(-1)
     return float(torch.dot(flat, flat)) if flat.numel() else 0.0
@@ -291,7 +288,7 @@ class ElementwiseMergeOp:
             for i in range(n):
                 # never in place: a read may be a view of the input's buffer
                 d = torch.sub(self._read(job, src, f"ft{i}", rows, wd), b)
-                sq = _sumsq(d)  # Δ is finite iff BASE and FT are (inf − x, x − inf, nan: not)
+                sq = squared_norm(d)  # Δ is finite iff BASE and FT are (inf − x, x − inf, nan: not)
                 if not math.isfinite(sq):
                     raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
                 sumsq[i] += sq
@@ -301,7 +298,7 @@ class ElementwiseMergeOp:
                 deltas.append(d)
             merged = kernel.block(deltas)
             del deltas
-            msq = _sumsq(merged)
+            msq = squared_norm(merged)
             if not math.isfinite(msq):
                 raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
             merged_sq += msq
@@ -318,81 +315,3 @@ class ElementwiseMergeOp:
         rec["delta_norm"] = rec["delta_norms"][0]
         rec["merged_delta_norm"] = math.sqrt(merged_sq)
         rec.update(kernel.stats())
-
-
-class SpectralMergeOp:
-    """DG-Hard in merge: ``W_base + λ·Σ_i w_i·Δ_i*`` on eligible matrices, task arithmetic elsewhere."""
-
-    def __init__(
-        self,
-        spec: ShrinkSpec,
-        weights: Sequence[float],
-        lam: float,
-        device: torch.device,
-        is_matrix: Callable[[TensorJob], bool],
-        block_bytes: int = BLOCK_BYTES,
-    ) -> None:
-        self.spec = spec
-        self.weights, self.lam = list(weights), lam
-        self.device = device
-        self.is_matrix = is_matrix
-        self.block_bytes = block_bytes
-        self.fallback = ElementwiseMergeOp(
-            lambda job: TaskArithmeticKernel(self.weights, self.lam), device, block_bytes
-        )
-
-    def __call__(self, job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
-        if not self.is_matrix(job):
-            rec["merge_rule"] = "task-arithmetic"
-            yield from self.fallback(job, src, rec)
-            return
-        rec["merge_rule"] = "dg-hard"
-        dev = self.device
-        projectors: list[Projector | None] = []
-        per_ft: list[dict] = []
-        norms: list[float] = []
-        for i, info in enumerate(job.fts):
-            ds = delta_spectrum(job, src, dev, self.block_bytes, ft=i)
-            norms.append(math.sqrt(max(ds.fro2, 0.0)))
-            dec = decide(ds.spectrum, self.spec, ft_dtype=info.dtype, rms_ft=ds.rms_ft)
-            shape = ds.shape
-            if dec.kind == UNCHANGED:
-                projectors.append(None)
-                per_ft.append({"decision": "unchanged", "rank_kept": 0})
-                continue
-            st = dec.stats
-            entry = {
-                "rank_kept": st["rank_kept"],
-                "tau": float(f"{st['tau']:.10g}"),
-                "median_sv": float(f"{st['median_sv']:.10g}"),
-                "energy_kept": float(f"{st['energy_kept']:.10g}"),
-                "decision": "filtered",
-            }
-            if dec.kind == LOW_RANK:
-                entry["decision"] = "low-rank (kept whole)"
-                entry["rank_kept"] = int(st["low_rank"])
-                entry["energy_kept"] = 1.0
-            projectors.append(dec.projector(ds.spectrum, dev))
-            per_ft.append(entry)
-        rec["delta_norms"] = norms
-        rec["delta_norm"] = norms[0]
-        rec["ranks"] = [e["rank_kept"] for e in per_ft]
-        rec["spectral"] = per_ft
-        rec["route"] = ROUTE
-
-        def finite(out: torch.Tensor) -> torch.Tensor:
-            if not math.isfinite(_sumsq(out)):
-                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
-            return out
-
-        yield from filtered_pass(
-            job,
-            src,
-            shape,
-            dev,
-            self.block_bytes,
-            projectors,
-            check=finite,
-            weights=self.weights,
-            lam=self.lam,
-        )

@@ -18,7 +18,7 @@ import numpy as np
 from dghard_cli.architecture import layer_module
 from dghard_cli.errors import InputError
 from dghard_cli.spectral.marchenko_pastur import mp_support
-from dghard_cli.spectral.spectrum import noise_from_median
+from dghard_cli.spectral.shrinkers import noise_from_median
 
 EXTRA_HINT = "pip install 'dghard[plot]'"
 

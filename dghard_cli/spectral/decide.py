@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dghard_cli.spectral.spectrum import Filtered, Projector, ShrinkSpec, Spectrum, filter_spectrum
+from dghard_cli.spectral.shrinkers import filter_spectrum
+from dghard_cli.spectral.spectrum import Filtered, Projector, ShrinkSpec, Spectrum
 
 UNCHANGED = "unchanged"
 LOW_RANK = "low-rank"

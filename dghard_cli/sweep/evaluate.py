@@ -140,7 +140,7 @@ def run_command(
 
 def locate_results(output: Path, stdout: Path, *, uses_output: bool) -> Path:
     """The results file the command produced; InputError (the candidate is unreadable) if none."""
-    from dghard_cli.score.scoring import find_results_file
+    from dghard_cli.score.results import find_results_file
 
     if output.is_file():
         return output
