@@ -2,7 +2,7 @@
 
 Streams BASE and FT through the same plan and the same spectral pass as ``repair``
 (:func:`dghard_cli.engine.plan.build_plan`, :func:`dghard_cli.methods.dg_hard.delta_spectrum`,
-:func:`dghard_cli.spectral.spectrum.filter_spectrum`) and records, per matrix, what the cut would do:
+:func:`dghard_cli.spectral.decide.decide`) and records, per matrix, what the cut would do:
 the Marchenko–Pastur fit (noise level from the median), τ, spikes, rank and energy kept, the
 bulk diagnostic and the low-rank (merged-LoRA) flag. The decisions (``unchanged``, ``low-rank``)
 and the summary verdict are the ones ``repair`` makes and prints, so both say the same thing
@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from dghard_cli.engine.device import resolve_device
-from dghard_cli.engine.pipeline import Sources, base_record
+from dghard_cli.engine.ops import JobInputs, base_record
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.progress import Progress
 from dghard_cli.engine.runner import inputs_doc
@@ -34,7 +34,8 @@ from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.methods.dg_hard import delta_spectrum
 from dghard_cli.report import build as report_mod
 from dghard_cli.report import plots
-from dghard_cli.spectral.spectrum import ROUTE, ShrinkSpec, filter_spectrum
+from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, decide
+from dghard_cli.spectral.spectrum import ROUTE, ShrinkSpec
 
 #: Matrices whose spectra are plotted when plots are asked for and ``matrices`` is not given.
 DEFAULT_PLOTTED = 4
@@ -209,15 +210,15 @@ def _spectral_shape(rec: dict) -> tuple[int, int]:
 
 def _inspect_job(job, rec: dict, spec: ShrinkSpec, device, block_bytes: int, selection: Selection) -> None:
     """What the spectral filter would do to this job, recorded as ``repair`` records it."""
-    ds = delta_spectrum(job, Sources(job, None), device, block_bytes)
+    ds = delta_spectrum(job, JobInputs(job, None), device, block_bytes)
     rec["delta_norm"] = math.sqrt(max(ds.fro2, 0.0))
     if ds.spectrum is None:
-        rec["action"], rec["reason"] = "kept-ft", "unchanged"
+        rec["action"], rec["reason"] = "kept-ft", UNCHANGED
         return
-    filt = filter_spectrum(ds.spectrum, spec, ft_dtype=job.fts[0].dtype, rms_ft=ds.rms_ft)
-    rec.update(filt.stats)
+    dec = decide(ds.spectrum, spec, ft_dtype=job.fts[0].dtype, rms_ft=ds.rms_ft)
+    rec.update(dec.stats)
     rec["route"] = ROUTE
-    if spec.noise == "median" and filt.stats.get("low_rank"):
+    if dec.kind == LOW_RANK:
         rec["action"], rec["reason"] = "kept-ft", "low-rank"
     rec["bulk"] = report_mod.has_bulk(rec)
     selection.offer(job.name, rec["delta_norm"], ds.spectrum.sigma)
@@ -244,49 +245,3 @@ def write_plots(doc: dict, spectra: dict[str, np.ndarray], directory: Path) -> l
         p.write_bytes(plots.spectrum_png(name, sig, by_name[name]))
         written.append(str(p))
     return written
-
-
-def short_name(name: str) -> str:
-    """``model.layers.0.mlp.up_proj.weight`` -> ``layers.0.mlp.up_proj`` for narrow tables."""
-    name = name[len("model.") :] if name.startswith("model.") else name
-    return name[: -len(".weight")] if name.endswith(".weight") else name
-
-
-def render(console, doc: dict, *, limit: int = 30) -> None:
-    """The summary table and a per-matrix table (the ``limit`` largest ‖Δ‖ when there are more)."""
-    from rich.table import Table
-    from rich.text import Text
-
-    console.print(report_mod.summary_table(doc))
-    rows = [r for r in doc["tensors"] if plots.analysed(r)]
-    shown = rows
-    if len(rows) > limit:
-        shown = sorted(rows, key=lambda r: -(r.get("delta_norm") or 0.0))[:limit]
-        shown.sort(key=rows.index)
-    t = Table(box=None, header_style="bold", pad_edge=False)
-    for col in ("tensor", "shape", "rank", "energy", ">edge", "KS", "slope", "note"):
-        t.add_column(col, justify="left" if col in ("tensor", "note") else "right", no_wrap=col != "note")
-
-    def f(v, spec=".3g"):
-        return "—" if v is None else f"{v:{spec}}"
-
-    for r in shown:
-        note = r.get("reason") or ("bulk" if r.get("bulk") else "no bulk")
-        t.add_row(
-            Text(short_name(r["name"])),
-            "×".join(map(str, r["shape"])),
-            f(r.get("rank_kept"), "d"),
-            "—" if r.get("energy_kept") is None else f"{100 * r['energy_kept']:.1f}%",
-            "—" if r.get("share_above_mp_edge") is None else f"{100 * r['share_above_mp_edge']:.1f}%",
-            f(r.get("ks_distance"), ".3f"),
-            f(r.get("powerlaw_slope"), ".2f"),
-            note,
-        )
-    console.print(t)
-    if len(rows) > len(shown):
-        console.print(Text(f"({len(rows) - len(shown)} more matrices: --json or --html for all)"))
-    for key in ("plots", "html"):
-        if key in doc:
-            where = doc[key]["dir"] if key == "plots" else doc[key]
-            n = f" ({len(doc['plots']['files'])} files)" if key == "plots" else ""
-            console.print(Text(f"{key}: {where}{n}"))

@@ -49,6 +49,12 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
     """Repair FT against BASE into OUT; returns the report (also written to OUT).
 
     With ``options.run.dry_run`` nothing is written and the report holds the plan.
+
+    Example::
+
+        from dghard_cli import RepairOptions, ShrinkSpec, repair
+        doc = repair("base/", "ft/", "out/", RepairOptions(spec=ShrinkSpec(scale=1.0)))
+        print(doc["summary"]["verdict"])
     """
     opts = options or RepairOptions()
     t0 = time.perf_counter()

@@ -16,7 +16,6 @@ import torch
 from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(Path(__file__).parent))  # for `import reference`
 
 
 def run_dghard(

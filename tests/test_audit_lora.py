@@ -20,7 +20,8 @@ from safetensors.torch import load_file
 from dghard_cli.audit.auditor import AuditOptions, audit_lora
 from dghard_cli.audit.findings import CODES
 from dghard_cli.errors import InputError
-from dghard_cli.io.lora_adapter import LoraConfig, is_targeted, layer_index, pattern_key
+from dghard_cli.io.lora_config import LoraConfig
+from dghard_cli.io.lora_targets import is_targeted, layer_index, pattern_key
 from dghard_cli.spectral.lora import (
     dense_blocks,
     effective_rank,
@@ -647,7 +648,7 @@ def test_intruder_pool_is_all_base_vectors_not_just_the_top_k():
 @pytest.mark.parametrize("shape", [(50, 7), (7, 50), (6, 2, 3)])
 @pytest.mark.parametrize("transposed", [False, True])
 def test_base_blocks_stream_stored_rows_and_cover_the_matrix(tmp_path, shape, transposed):
-    from dghard_cli.audit.auditor import base_blocks
+    from dghard_cli.audit.base_checks import base_blocks
     from dghard_cli.io.checkpoint import Checkpoint
 
     w = torch.randn(shape, dtype=torch.float32)

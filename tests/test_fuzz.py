@@ -1,11 +1,6 @@
 """A short fuzzing pass over the input handling (the script runs long passes)."""
 
-import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
-
-from fuzz_inputs import fuzz  # noqa: E402
+from fuzz_inputs import fuzz  # scripts/ is on pytest's pythonpath (pyproject.toml)
 
 
 def test_200_mutated_inputs_raise_only_clean_errors():

@@ -13,7 +13,7 @@ import torch
 from conftest import f64, load_dir
 from reference import ref_filter, rel
 
-from dghard_cli.engine.pipeline import Sources
+from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.hub import open_checkpoint
@@ -215,7 +215,7 @@ def test_dare_identical_across_runs_layouts_blocks_and_order(models, tmp_path):
     mo = MergeOptions(method="dare-ties", **kw)
     op = _make_op("dare-ties", resolve_parameters(mo, 3), mo, None, torch.device("cpu"))
     for job in reversed(plan.jobs):
-        blocks = list(op(job, Sources(job, None), {}))
+        blocks = list(op(job, JobInputs(job, None), {}))
         t = torch.cat([x.reshape(-1) for x in blocks]).reshape(job.shape)
         assert torch.equal(t, first[job.name]), job.name
 

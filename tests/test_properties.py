@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dghard_cli.spectral.spectrum import ShrinkSpec, filter_dense
+from dghard_cli.spectral.shrinkers import filter_dense
+from dghard_cli.spectral.spectrum import ShrinkSpec
 
 SETTINGS = settings(max_examples=60, deadline=None)
 

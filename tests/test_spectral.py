@@ -6,7 +6,8 @@ import torch
 from reference import ref_filter, ref_omega, rel
 
 from dghard_cli.errors import InputError
-from dghard_cli.spectral.spectrum import ShrinkSpec, filter_dense, gd_threshold
+from dghard_cli.spectral.shrinkers import filter_dense, gd_threshold
+from dghard_cli.spectral.spectrum import ShrinkSpec
 
 
 def spiked(m, n, *, rank=4, strengths=(6.0, 3.0, 2.0, 1.2), noise=0.01, seed=0):
@@ -117,7 +118,7 @@ def test_bad_specs_are_input_errors(kwargs):
 
 def _job_and_sources(delta: np.ndarray, base: np.ndarray | None = None):
     """A one-matrix job whose inputs live in memory (for the per-tensor routes)."""
-    from dghard_cli.engine.pipeline import Sources
+    from dghard_cli.engine.ops import JobInputs
     from dghard_cli.engine.plan import TensorJob
 
     b = base if base is not None else np.zeros_like(delta)
@@ -135,7 +136,7 @@ def _job_and_sources(delta: np.ndarray, base: np.ndarray | None = None):
             return self.decode(None, rows)
 
     job = TensorJob("w", "method", None, tuple(delta.shape), "F32", base=Info(b), fts=[Info(f)])
-    return job, Sources(job, None)
+    return job, JobInputs(job, None)
 
 
 @pytest.mark.parametrize("shape", [(600, 200), (200, 600), (300, 300)])
@@ -147,7 +148,8 @@ def test_float32_qr_route_matches_the_float64_reference(shape):
         ref, rank, tau = ref_filter(d)
         job, src = _job_and_sources(d)
         op = SpectralFilterOp(ShrinkSpec(), torch.device("cpu"), block_bytes=64 * 200 * 8, route="qr32")
-        ds, filt = op.spectrum(job, src)
+        ds, dec = op.spectrum(job, src)
+        filt = dec.filtered
         assert filt.stats["rank_kept"] == rank
         assert abs(filt.tau - tau) <= 1e-6 * tau
         from dghard_cli.spectral.spectrum import Projector
@@ -163,7 +165,7 @@ def test_float32_qr_route_matches_the_float64_reference(shape):
 
 def test_float32_qr_route_falls_back_to_float64_when_the_cut_is_ambiguous():
     from dghard_cli.methods.dg_hard import SpectralFilterOp
-    from dghard_cli.spectral.spectrum import omega
+    from dghard_cli.spectral.marchenko_pastur import omega
 
     rng = np.random.default_rng(0)
     m, n = 400, 200

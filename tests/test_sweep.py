@@ -21,7 +21,8 @@ from conftest import REPO, f64, load_dir, run_dghard
 from reference import ref_weights
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep.candidates import load_candidates, make_candidate, parse_candidates
+from dghard_cli.sweep.candidate_file import load_candidates, parse_candidates
+from dghard_cli.sweep.candidates import make_candidate
 from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
 from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_candidate, refine_probe
 from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise

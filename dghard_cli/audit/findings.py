@@ -126,3 +126,7 @@ def natural_key(text: str | None) -> tuple:
 def sort_findings(items: list[Finding]) -> list[Finding]:
     """Errors first, then warnings, then info; by code, then module in natural order."""
     return sorted(items, key=lambda f: (-LEVEL_RANK[f.level], f.code, natural_key(f.module)))
+
+
+#: Examples listed in an aggregated finding's message.
+EXAMPLES = 3

@@ -18,8 +18,12 @@ from rich.console import Console
 from rich.text import Text
 
 from dghard_cli import __version__
+from dghard_cli.cli.progress import RichBar
 from dghard_cli.engine.memory import limit_allocator_retention
-from dghard_cli.errors import DGHardError
+from dghard_cli.engine.progress import set_terminal_bar
+from dghard_cli.errors import CheckFailed, DGHardError
+
+set_terminal_bar(RichBar)  # the engine counts; on a terminal the command line shows a rich bar
 
 app = typer.Typer(
     name="dghard",
@@ -63,7 +67,8 @@ def _err_console() -> Console:
 
 def _fail(message: str, code: int) -> None:
     line = " ".join(message.split())
-    _err_console().print(Text(f"dghard: error: {line}"))
+    if line:
+        _err_console().print(Text(f"dghard: error: {line}"))
     raise typer.Exit(code)
 
 
@@ -90,6 +95,16 @@ def run_cli(fn: Callable[[], Any], *, verbose: bool) -> Any:
         _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --verbose for a traceback)", 3)
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def check_failed(reason: str) -> None:
+    """Exit 1 (a check failed) through :func:`run_cli`, the one exit path: ``reason`` is the
+    one line on stderr ("" prints nothing: the command's output already says why)."""
+
+    def fail() -> None:
+        raise CheckFailed(reason)
+
+    run_cli(fail, verbose=False)
 
 
 def emit(doc: dict, *, as_json: bool, quiet: bool, render: Callable[[Console], None]) -> None:

@@ -23,8 +23,9 @@ from dghard_cli.cli.common import (
     emit,
     run_cli,
 )
+from dghard_cli.cli.render import render_inspect
 from dghard_cli.engine.plan import PolicyOptions
-from dghard_cli.inspection import InspectOptions, inspect_pair, parse_matrices, render
+from dghard_cli.inspection import InspectOptions, inspect_pair, parse_matrices
 from dghard_cli.spectral.spectrum import ShrinkSpec
 
 INSPECT_EPILOG = """
@@ -85,4 +86,4 @@ def inspect_cmd(
         return inspect_pair(base, ft, opts)
 
     doc = run_cli(body, verbose=verbose)
-    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render(c, doc))
+    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_inspect(c, doc))

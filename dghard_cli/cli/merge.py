@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from dghard_cli.cli.common import (
     BaseRevisionOpt,
@@ -21,13 +20,13 @@ from dghard_cli.cli.common import (
     emit,
     run_cli,
 )
-from dghard_cli.cli.repair import render_plan
+from dghard_cli.cli.render import render_merge, render_plan
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import parse_dtype_option
-from dghard_cli.merge import METHODS, MergeOptions, merge
-from dghard_cli.methods.calibration import RecallOptions
+from dghard_cli.merge import MergeOptions, merge
+from dghard_cli.methods import registry
 from dghard_cli.methods.recipe import load_recipe
 
 MERGE_EPILOG = """
@@ -58,48 +57,7 @@ def parse_weights(text: str) -> list[float]:
     return out
 
 
-def render_merge(console: Console, doc: dict) -> None:
-    from rich.table import Table
-
-    from dghard_cli.report.build import summary_table
-
-    console.print(summary_table(doc))
-    m = doc.get("merge", {})
-    p = doc.get("parameters", {})
-    t = Table(show_header=False, box=None)
-    t.add_column(style="bold")
-    t.add_column()
-    shown = {k: p[k] for k in ("alpha", "weights", "lambda", "density", "seed", "scale") if k in p}
-    if shown:
-        t.add_row("parameters", ", ".join(f"{k}={v}" for k, v in shown.items()))
-    if "kept_fraction" in m:
-        t.add_row("kept", ", ".join(f"{100 * k:.2f} %" for k in m["kept_fraction"]) + " of each delta")
-    if "sign_conflicts" in m:
-        t.add_row(
-            "sign conflicts", f"{m['sign_conflicts']} entries ({100 * m['sign_conflict_fraction']:.2f} %)"
-        )
-    if "filtered_matrices" in m:
-        t.add_row(
-            "dg-hard",
-            f"{m['filtered_matrices']} matrices filtered, {m['task_arithmetic_tensors']} tensors by task arithmetic",
-        )
-    if m.get("median_rank_kept"):
-        t.add_row("median rank kept", ", ".join(str(r) for r in m["median_rank_kept"]))
-    console.print(t)
-    rc = doc.get("recall")
-    if rc:
-        console.print(Text("RECALL merge weights per layer:"))
-        lt = Table(box=None)
-        lt.add_column("layer")
-        for name in rc["models"]:
-            lt.add_column(name, justify="right")
-        for layer in rc["layers"]:
-            lt.add_row(layer["group"], *(f"{w:.3f}" for w in layer["weights"]))
-        console.print(lt)
-
-
-@app.command("merge", epilog=MERGE_EPILOG)
-def merge_cmd(
+def _head(
     models: Annotated[
         Optional[list[str]],
         typer.Argument(
@@ -108,54 +66,20 @@ def merge_cmd(
     ] = None,
     method: Annotated[
         Optional[str],
-        typer.Option("--method", "-m", help=f"One of: {', '.join(METHODS)}.", show_default=False),
+        typer.Option(
+            "--method", "-m", help=f"One of: {', '.join(registry.method_names())}.", show_default=False
+        ),
     ] = None,
     config: Annotated[
         Optional[Path],
         typer.Option("--config", "-c", help="A YAML recipe (command-line options override it)."),
     ] = None,
     out: Annotated[Optional[Path], typer.Option("--out", "-o", help="Output directory.")] = None,
-    alpha: Annotated[
-        Optional[float], typer.Option(help="wise-ft: weight of the fine-tune, 0..1 (default 0.5).")
-    ] = None,
-    weights: Annotated[
-        Optional[str],
-        typer.Option(help="One weight per fine-tune, comma-separated, e.g. 1,0.5 (default 1 each)."),
-    ] = None,
-    lam: Annotated[
-        Optional[float], typer.Option("--lambda", help="Scales the merged delta (default 1).")
-    ] = None,
-    density: Annotated[
-        Optional[float],
-        typer.Option(help="ties/dare: fraction of each delta kept (default ties 0.2, dare 0.5)."),
-    ] = None,
-    seed: Annotated[Optional[int], typer.Option(help="dare: seed of the random drop (default 0).")] = None,
-    scale: Annotated[
-        Optional[float], typer.Option(help="dg-hard: multiplies the Gavish–Donoho threshold (default 1).")
-    ] = None,
-    calib: Annotated[
-        Optional[Path],
-        typer.Option(help="recall: calibration text (.txt, samples split by blank lines) or .jsonl."),
-    ] = None,
-    recall_kernel: Annotated[
-        Optional[str], typer.Option(help="recall: linear-cka (default), rbf-cka or cosine.")
-    ] = None,
-    recall_pooling: Annotated[
-        Optional[str],
-        typer.Option(help="recall: token (every token a row; default) or mean (one row per sample)."),
-    ] = None,
-    recall_temperature: Annotated[
-        Optional[float], typer.Option(help="recall: softmax temperature (default 0.05).")
-    ] = None,
-    recall_samples: Annotated[
-        Optional[int], typer.Option(help="recall: number of typical samples (default 8).")
-    ] = None,
-    recall_select: Annotated[
-        Optional[str], typer.Option(help="recall: kmeans (typical samples; default) or first.")
-    ] = None,
-    recall_max_tokens: Annotated[
-        Optional[int], typer.Option(help="recall: tokens per sample (default 64).")
-    ] = None,
+) -> None:
+    """The options before the method parameters."""
+
+
+def _tail(
     include: IncludeOpt = None,
     exclude: Annotated[
         Optional[list[str]],
@@ -194,11 +118,76 @@ def merge_cmd(
     verbose: VerboseOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
+    """The options after the method parameters."""
+
+
+_PY_TYPES = {
+    registry.NUMBER: float,
+    registry.INT: int,
+    registry.WEIGHTS: str,
+    registry.PATH: Path,
+    "string": str,
+}
+
+
+def _option(name: str, kind: str, flag: str, help_text: str) -> inspect.Parameter:
+    tp = Optional[_PY_TYPES[kind]]  # noqa: UP045 - typer reads the annotation at run time
+    return inspect.Parameter(
+        name,
+        inspect.Parameter.KEYWORD_ONLY,
+        default=None,
+        annotation=Annotated[tp, typer.Option(flag, help=help_text)],
+    )
+
+
+def _sub_flag(param: registry.Param, sub: registry.SubOption) -> str:
+    return f"--{param.name}-{sub.name.replace('_', '-')}"
+
+
+def _sub_name(param: registry.Param, sub: registry.SubOption) -> str:
+    return f"{param.name}_{sub.name}"
+
+
+def _param_options() -> list[inspect.Parameter]:
+    """One option per method parameter of the registry (a mapping: one per key), in order."""
+    out = []
+    for q in registry.params().values():
+        if q.kind == registry.MAPPING:
+            out += [_option(_sub_name(q, sub), sub.kind, _sub_flag(q, sub), sub.help) for sub in q.sub]
+        else:
+            out.append(_option(f"param_{q.name}", q.kind, q.cli_flag, q.help))
+    return out
+
+
+def _cli_values(kw: dict, recipe_values: dict, recipe_maps: dict) -> dict:
+    """Each method parameter's value: the command line's, else the recipe's, else None."""
+    values: dict = {}
+    for q in registry.params().values():
+        if q.kind == registry.MAPPING:
+            cfg = dict(recipe_maps.get(q.name, {}))
+            for sub in q.sub:
+                if kw[_sub_name(q, sub)] is not None:
+                    cfg[sub.name] = kw[_sub_name(q, sub)]
+            values[q.name] = q.build(cfg) if cfg and q.build is not None else (cfg or None)
+            continue
+        cli = kw[f"param_{q.name}"]
+        if q.kind == registry.WEIGHTS and cli is not None:
+            cli = parse_weights(cli)
+        v = cli if cli is not None else recipe_values.get(q.name)
+        values[q.name] = Path(v) if q.kind == registry.PATH and v is not None else v
+    return values
+
+
+def merge_cmd(**kw) -> None:
     """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard."""
+
+    models, method, config, out = kw["models"], kw["method"], kw["config"], kw["out"]
+    base_revision, verbose, json_out = kw["base_revision"], kw["verbose"], kw["json_out"]
+    dry_run, quiet = kw["dry_run"], kw["quiet"]
 
     def body() -> dict:
         values: dict = {}
-        recall_cfg: dict = {}
+        maps: dict = {}
         ft_revisions = None
         rev_base = base_revision
         if config is not None:
@@ -215,7 +204,7 @@ def merge_cmd(
             if recipe.weights is not None:
                 values["weights"] = recipe.weights
             values["method"] = recipe.method
-            recall_cfg = dict(recipe.recall)
+            maps = recipe.maps
         else:
             if not models or len(models) < 2:
                 raise InputError(
@@ -223,56 +212,39 @@ def merge_cmd(
                 )
             base, fts = models[0], list(models[1:])
 
-        def pick(cli_value, key):
+        def pick(key, cli_value):
             return cli_value if cli_value is not None else values.get(key)
 
-        chosen_method = pick(method, "method")
+        chosen_method = pick("method", method)
         if chosen_method is None:
             raise InputError("--method is required (or 'method:' in the --config recipe)")
-        out_dir = pick(out, "out")
+        out_dir = pick("out", out)
         if out_dir is None:
             raise InputError("--out is required (or 'out:' in the --config recipe)")
-        cli_recall = {
-            "kernel": recall_kernel,
-            "pooling": recall_pooling,
-            "temperature": recall_temperature,
-            "samples": recall_samples,
-            "select": recall_select,
-            "max_tokens": recall_max_tokens,
-        }
-        for k, v in cli_recall.items():
-            if v is not None:
-                recall_cfg[k] = v
-        recall_opts = RecallOptions(**recall_cfg) if recall_cfg else None
-        shard = pick(shard_size, "shard_size")
-        dt = pick(dtype, "dtype")
-        rp = pick(report, "report")
-        cal = pick(calib, "calib")
+        kwargs, extra = registry.options_values(_cli_values(kw, values, maps))
+        shard = pick("shard_size", kw["shard_size"])
+        dt = pick("dtype", kw["dtype"])
+        rp = pick("report", kw["report"])
+        min_numel = pick("min_numel", kw["min_numel"])
         opts = MergeOptions(
             method=chosen_method,
-            alpha=pick(alpha, "alpha"),
-            weights=parse_weights(weights) if weights is not None else values.get("weights"),
-            lam=pick(lam, "lambda"),
-            density=pick(density, "density"),
-            seed=pick(seed, "seed"),
-            scale=pick(scale, "scale"),
-            calib=Path(cal) if cal is not None else None,
-            recall=recall_opts,
+            **kwargs,
+            extra=extra,
             policy=PolicyOptions(
-                min_numel=pick(min_numel, "min_numel") if pick(min_numel, "min_numel") is not None else 1024,
-                include=include or values.get("include") or [],
-                exclude=exclude or values.get("exclude") or [],
-                allow_missing=allow_missing or bool(values.get("allow_missing", False)),
+                min_numel=min_numel if min_numel is not None else 1024,
+                include=kw["include"] or values.get("include") or [],
+                exclude=kw["exclude"] or values.get("exclude") or [],
+                allow_missing=kw["allow_missing"] or bool(values.get("allow_missing", False)),
                 out_dtype=parse_dtype_option(dt) if dt else None,
                 shard_size=(shard if isinstance(shard, int) else parse_size(shard))
                 if shard is not None
                 else None,
             ),
             run=RunOptions(
-                device=pick(device, "device") or "auto",
+                device=pick("device", kw["device"]) or "auto",
                 dry_run=dry_run,
-                resume=True if resume else None,
-                overwrite=overwrite,
+                resume=True if kw["resume"] else None,
+                overwrite=kw["overwrite"],
                 report_path=Path(rp) if rp is not None else None,
                 quiet=quiet or json_out,
                 argv=["dghard", *sys.argv[1:]],
@@ -288,3 +260,21 @@ def merge_cmd(
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
     else:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_merge(c, doc))
+
+
+def _signature() -> inspect.Signature:
+    keyword = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for f in (_head,)
+        for p in inspect.signature(f, eval_str=True).parameters.values()
+    ]
+    tail = [
+        p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+        for p in inspect.signature(_tail, eval_str=True).parameters.values()
+    ]
+    return inspect.Signature([*keyword, *_param_options(), *tail], return_annotation=None)
+
+
+merge_cmd.__signature__ = _signature()  # type: ignore[attr-defined]
+merge_cmd.__annotations__ = {p.name: p.annotation for p in merge_cmd.__signature__.parameters.values()}
+app.command("merge", epilog=MERGE_EPILOG)(merge_cmd)

@@ -7,8 +7,6 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from dghard_cli.cli.common import (
     BaseArg,
@@ -26,6 +24,7 @@ from dghard_cli.cli.common import (
     emit,
     run_cli,
 )
+from dghard_cli.cli.render import render_plan, render_report
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.safetensors_format import parse_dtype_option
@@ -43,45 +42,6 @@ REPAIR_EPILOG = """
 
     dghard repair BASE FT OUT --shrink twoknob --a 1 --b 0.3 --exclude 'lm_head|embed'
 """
-
-
-def render_plan(console: Console, doc: dict, verbose: bool) -> None:
-    from rich.table import Table
-
-    s = doc["summary"]
-    console.print(
-        Text(
-            f"dry run: {doc['output']['path']} would get {s['tensors']} tensors in "
-            f"{doc['output']['shards']} shard(s), {doc['output']['bytes'] / 1e6:.1f} MB"
-        )
-    )
-    t = Table(show_header=True, box=None)
-    t.add_column("action")
-    t.add_column("tensors", justify="right")
-    for k, v in s["actions"].items():
-        t.add_row(k, str(v))
-    console.print(t)
-    for note in doc.get("notes", []):
-        console.print(Text(f"note: {note}"))
-    if verbose:
-        t = Table(show_header=True, box=None)
-        for col in ("name", "shape", "dtype", "action", "shard"):
-            t.add_column(col, overflow="fold")
-        for r in doc["tensors"]:
-            t.add_row(
-                Text(r["name"]),
-                str(r["shape"]),
-                r["dtype"],
-                r["action"] + (f" ({r['reason']})" if r.get("reason") else ""),
-                Text(r["shard"]),
-            )
-        console.print(t)
-
-
-def render_report(console: Console, doc: dict) -> None:
-    from dghard_cli.report.build import summary_table
-
-    console.print(summary_table(doc))
 
 
 @app.command("repair", epilog=REPAIR_EPILOG)

@@ -8,10 +8,11 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from dghard_cli.cli.render import summary_table
 from dghard_cli.engine.runner import REPORT_NAME
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists, read_json_file
-from dghard_cli.report.build import SCHEMA_VERSION, summary_table
+from dghard_cli.report.build import SCHEMA_VERSION
 
 REPORT_EPILOG = """
 **Examples**

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
-from dghard_cli.errors import CheckFailed, InputError
-from dghard_cli.score.scoring import render, score_files
+from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, check_failed, emit, run_cli
+from dghard_cli.cli.render import render_score
+from dghard_cli.errors import InputError
+from dghard_cli.io.atomic import write_json_atomic
+from dghard_cli.score.scoring import score_files
 
 SCORE_EPILOG = """
 **Examples**
@@ -32,6 +32,18 @@ def _split(values: list[str] | None) -> list[str]:
     for v in values or []:
         out += [x.strip() for x in v.split(",") if x.strip()]
     return out
+
+
+def _units(units: str, scale: str | None) -> str:
+    """--units, or the value of its deprecated name --scale (which --scale means elsewhere:
+    a multiplier of the threshold); both given must agree."""
+    if scale is None:
+        return units
+    if units != "auto" and units != scale:
+        raise InputError(
+            f"--scale is the old name of --units; give one of them (got --units {units}, --scale {scale})"
+        )
+    return scale
 
 
 @app.command("score", epilog=SCORE_EPILOG)
@@ -61,9 +73,13 @@ def score_cmd(
             help="lm-eval metric for every task (acc, acc_norm, exact_match,strict-match) or TASK=NAME; repeatable."
         ),
     ] = None,
-    scale: Annotated[
-        str, typer.Option(help="auto (fractions if all scores are in [0, 1]), fraction or points.")
+    units: Annotated[
+        str,
+        typer.Option("--units", help="auto (fractions if all scores are in [0, 1]), fraction or points."),
     ] = "auto",
+    scale: Annotated[
+        Optional[str], typer.Option("--scale", hidden=True, help="Deprecated name of --units.")
+    ] = None,
     subtasks: Annotated[
         bool, typer.Option("--subtasks", help="Score lm-eval leaf tasks instead of their groups.")
     ] = False,
@@ -86,7 +102,7 @@ def score_cmd(
             targets=_split(target),
             margin=margin,
             metric=metric,
-            scale=scale,
+            scale=_units(units, scale),
             subtasks=subtasks,
             fail_under=fail_under,
         )
@@ -94,17 +110,11 @@ def score_cmd(
             rp = Path(report).expanduser()
             if not rp.parent.exists():
                 raise InputError(f"--report {report}: directory {rp.parent} does not exist")
-            tmp = rp.with_name(rp.name + ".tmp")
-            tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-            os.replace(tmp, rp)
+            write_json_atomic(rp, doc)
         return doc
 
     doc = run_cli(body, verbose=verbose)
-    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render(c, doc))
+    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_score(c, doc))
     g = doc.get("gate")
     if g and not g["passed"]:
-
-        def fail() -> None:
-            raise CheckFailed(g["reason"])
-
-        run_cli(fail, verbose=False)
+        check_failed(g["reason"])

@@ -8,10 +8,9 @@ from typing import Annotated, Optional
 
 import typer
 from rich.console import Console
-from rich.text import Text
 
-from dghard_cli.cli.common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
-from dghard_cli.errors import CheckFailed
+from dghard_cli.cli.common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, check_failed, emit, run_cli
+from dghard_cli.cli.render import progress_printer, render_sweep
 from dghard_cli.sweep.run import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION, SweepOptions, sweep
 
 SWEEP_EPILOG = """
@@ -35,108 +34,6 @@ def _split(values: list[str] | None) -> list[str]:
     for v in values or []:
         out += [x.strip() for x in v.split(",") if x.strip()]
     return out
-
-
-def _f(v: float | None, spec: str = ".1f") -> str:
-    return "—" if v is None else f"{v:{spec}}"
-
-
-def render(console: Console, doc: dict) -> None:
-    from rich.table import Table
-
-    b = doc["budget"]
-    t = Table(title="dghard sweep", box=None, header_style="bold")
-    for col in (
-        "#",
-        "candidate",
-        "phase",
-        "status",
-        "repair %",
-        "retention %",
-        "HM",
-        "target %",
-        "dist. to FT",
-        "time s",
-    ):
-        t.add_column(col, justify="left" if col in ("candidate", "phase", "status") else "right")
-    win = doc["winner"]["order"] if doc["winner"] else None
-    for r in doc["candidates"]:
-        secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
-        mark = " ★" if r["order"] == win else ""
-        status = r["status"] + (" (cached)" if r["cached"] else "")
-        t.add_row(
-            str(r["order"]),
-            Text(r["name"] + mark),
-            r["phase"],
-            status,
-            _f(r["repair"]),
-            _f(r["retention"]),
-            _f(r["hm"]),
-            _f(r["target_retention_mean"]),
-            _f(r["distance"], ".3f"),
-            f"{secs:.1f}",
-        )
-    console.print(t)
-    for r in doc["candidates"]:
-        if r["status"] != "ok":
-            console.print(Text(f"  #{r['order']} {r['name']}: {r['message']}"))
-    console.print(
-        Text(
-            f"evaluations: {b['used']} of --budget {b['total']} ({b['reference_evaluations']} for the references, "
-            f"{b['candidate_evaluations']} candidates; {b['from_cache']} from the cache)"
-        )
-    )
-    w = doc["winner"]
-    if w:
-        console.print(
-            Text(
-                f"winner: {w['name']}  HM {_f(w['hm'])}  repair {_f(w['repair'])} %  retention "
-                f"{_f(w['retention'])} %"
-                + (f"  target {_f(w['target_retention_mean'])} %" if doc["options"]["targets"] else "")
-            )
-        )
-        console.print(Text(f"reproduce: {w['reproduce']['command']}"))
-    else:
-        console.print(Text(f"no winner: {doc['no_winner_reason']}"))
-    console.print(
-        Text(
-            f"output: {doc['output']['path']} (sweep_report.json"
-            + (", " + doc["plot"] if doc.get("plot") else "")
-            + ")"
-        )
-    )
-    for warning in doc["warnings"]:
-        console.print(Text(f"warning: {warning}"))
-    g = doc.get("gate")
-    if g:
-        console.print(Text(f"gate: {'PASS' if g['passed'] else 'FAIL'}: {g['reason']}"))
-
-
-def progress_printer(console: Console):
-    def on_event(ev: dict) -> None:
-        kind = ev["kind"]
-        if kind == "info":
-            console.print(Text(f"[dghard] sweep: {ev['message']}"))
-        elif kind == "reference":
-            if ev["source"] == "given":
-                console.print(Text(f"[dghard] sweep: {ev['name']}: results from {ev['path']}"))
-            else:
-                how = "cached" if ev["source"] == "cached" else f"evaluated in {ev['seconds']:.1f} s"
-                console.print(Text(f"[dghard] sweep: {ev['name']} {how} ({ev['benchmarks']} benchmarks)"))
-        elif kind == "evaluating" and "order" not in ev:
-            console.print(Text(f"[dghard] sweep: evaluating {ev['name']} ..."))
-        elif kind == "candidate":
-            r = ev["row"]
-            head = f"[dghard] sweep {ev['order']}/{ev['budget']} {r['name']} ({r['phase']})"
-            if r["status"] == "ok":
-                tail = f"HM {_f(r['hm'])} (repair {_f(r['repair'])} %, retention {_f(r['retention'])} %)"
-            else:
-                tail = f"{r['status']}: {r['message']}"
-            secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
-            when = "cached" if r["cached"] else f"{secs:.1f} s"
-            console.print(Text(f"{head}: {tail} [{when}]"))
-
-    return on_event
 
 
 @app.command("sweep", epilog=SWEEP_EPILOG)
@@ -240,15 +137,11 @@ def sweep_cmd(
         return sweep(base, ft, out, opts)
 
     doc = run_cli(body, verbose=verbose)
-    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render(c, doc))
+    emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_sweep(c, doc))
     reason = None
     if doc["winner"] is None:
         reason = f"no winner: {doc['no_winner_reason']}"
     elif doc.get("gate") and not doc["gate"]["passed"]:
         reason = doc["gate"]["reason"]
     if reason:
-
-        def fail() -> None:
-            raise CheckFailed(reason)
-
-        run_cli(fail, verbose=False)
+        check_failed(reason)

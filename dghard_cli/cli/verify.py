@@ -6,10 +6,9 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.text import Text
 
 from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
+from dghard_cli.cli.render import render_verify
 from dghard_cli.errors import CheckFailed, InputError
 from dghard_cli.io.verify import verify_dir
 
@@ -42,14 +41,6 @@ def verify_cmd(
         except InputError as exc:
             raise CheckFailed(f"verification failed: {exc}") from None
 
-        def render(c: Console) -> None:
-            c.print(
-                Text(
-                    f"{directory}: OK — {doc['tensors']} tensors in {doc['shards']} shard(s), "
-                    f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}"
-                )
-            )
-
-        emit(doc, as_json=json_out, quiet=quiet, render=render)
+        emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_verify(c, directory, doc))
 
     run_cli(body, verbose=verbose)

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 
 import torch
 
+from dghard_cli.engine.ops import JobInputs, TensorOp, base_record, passthrough
 from dghard_cli.engine.plan import Plan, TensorJob
-from dghard_cli.errors import DGHardError, InputError, RuntimeFailure
+from dghard_cli.errors import DGHardError, RuntimeFailure
 from dghard_cli.io.checkpoint import TensorInfo
 from dghard_cli.io.output import OutputStage, ShardRecord
-from dghard_cli.io.safetensors_format import FLOAT_DTYPES, build_header, torch_dtype
+from dghard_cli.io.safetensors_format import build_header
 
 
 class ByteBudget:
@@ -58,58 +59,6 @@ class ByteBudget:
         with self._cv:
             self.closed = True
             self._cv.notify_all()
-
-
-class Sources:
-    """A job's inputs: whole tensors (prefetched, or read now) or row blocks read on demand."""
-
-    def __init__(
-        self,
-        job: TensorJob,
-        raw: dict[str, torch.Tensor] | None,
-        *,
-        allow_nonfinite: bool = False,
-        pin: bool = False,
-    ) -> None:
-        self.job = job
-        self._raw = raw or {}
-        self.pin = pin  # read on demand into page-locked memory (CUDA)
-        #: NaN/Inf in an input: pass the fine-tune's value through (reported) instead of failing.
-        self.allow_nonfinite = allow_nonfinite
-
-    def _get(self, key: str, info: TensorInfo, rows: tuple[int, int] | None) -> torch.Tensor:
-        raw = self._raw.get(key)
-        if raw is not None:
-            t = info.decode(raw)
-            return t if rows is None else t[rows[0] : rows[1]]
-        return info.read(rows, pin=self.pin)
-
-    def base(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        assert self.job.base is not None
-        return self._get("base", self.job.base, rows)
-
-    def ft(self, i: int = 0, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        return self._get(f"ft{i}", self.job.fts[i], rows)
-
-    def info(self, key: str) -> TensorInfo:
-        info = self.job.base if key == "base" else self.job.fts[int(key[2:])]
-        assert info is not None
-        return info
-
-    def raw(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        """Raw bytes of ``base`` or ``ft{i}`` (or of rows of it), read now if not prefetched."""
-        info = self.info(key)
-        raw = self._raw.get(key)
-        if raw is None:
-            return info.read_raw(rows, pin=self.pin)
-        if rows is None:
-            return raw
-        return raw[rows[0] * info.row_bytes : rows[1] * info.row_bytes]
-
-
-#: A per-tensor operation: yields the output's bytes in order (tensors in the output dtype,
-#: whole or in row blocks), and fills ``record`` with its statistics.
-TensorOp = Callable[[TensorJob, Sources, dict], Iterator[torch.Tensor]]
 
 
 def job_inputs(job: TensorJob) -> dict[str, TensorInfo]:
@@ -228,7 +177,7 @@ class _Writer(threading.Thread):
                     self.stage.record(ShardRecord(name=shard, size=size, sha256=digest, tensors=records))
                 elif kind == "sync":
                     if self._current is not None:
-                        self._current._fh.flush()
+                        self._current.flush()
                     item[1].set()
                 elif kind == "stop":
                     self._abort()
@@ -287,7 +236,7 @@ def _as_bytes(t) -> memoryview:
     return memoryview(t).cast("B")
 
 
-def shard_metadata(plan: Plan, shard: str, ft_metadata: dict[str, dict[str, str]]) -> dict[str, str]:
+def shard_metadata(shard: str, ft_metadata: dict[str, dict[str, str]]) -> dict[str, str]:
     """Metadata of an output shard: the fine-tune's for a mirrored shard, and format=pt."""
     meta = dict(ft_metadata.get(shard, {}))
     meta["format"] = "pt"
@@ -304,79 +253,11 @@ def tensor_location(stage: OutputStage, plan: Plan, name: str, ft_metadata) -> t
     for shard, names in plan.shards.items():
         if name in names:
             entries = shard_entries(plan, shard)
-            header, offsets = build_header(entries, shard_metadata(plan, shard, ft_metadata))
+            header, offsets = build_header(entries, shard_metadata(shard, ft_metadata))
             i = names.index(name)
             begin, end = offsets[i]
             return shard, len(header) + begin, end - begin
     raise KeyError(name)
-
-
-def base_record(job: TensorJob) -> dict:
-    rec: dict = {
-        "name": job.name,
-        "shape": list(job.shape),
-        "dtype": job.out_dtype,
-        "input_dtype": job.fts[0].dtype if job.fts else (job.base.dtype if job.base else None),
-        "action": job.action,
-        "shard": job.shard,
-    }
-    if job.reason:
-        rec["reason"] = job.reason
-    if job.tied_to:
-        rec["tied_to"] = job.tied_to
-    if job.shared_rows is not None:
-        rec["shared_rows"] = job.shared_rows
-        rec["base_rows"] = job.base.shape[0] if job.base else None
-    return rec
-
-
-def cast_out(t: torch.Tensor, out_dtype: str) -> torch.Tensor:
-    target = torch_dtype(out_dtype)
-    return t if t.dtype == target else t.to(target)
-
-
-def row_ranges(info: TensorInfo, chunk_bytes: int) -> list[tuple[int, int] | None]:
-    """Row ranges that split a tensor into pieces of about ``chunk_bytes`` (None: whole)."""
-    if not info.shape or info.nbytes <= chunk_bytes or info.shape[0] <= 1:
-        return [None]
-    step = max(1, chunk_bytes // max(1, info.row_bytes))
-    return [(r0, min(r0 + step, info.shape[0])) for r0 in range(0, info.shape[0], step)]
-
-
-def passthrough(
-    job: TensorJob, src: Sources, rec: dict, key: str = "ft0", chunk_bytes: int = 64 * 1024 * 1024
-) -> Iterator[torch.Tensor]:
-    """The input's value (bit-identical when the dtype is unchanged), in row chunks.
-
-    On the way: non-finite values are refused (naming the tensor), and ‖FT − BASE‖_F is
-    recorded when BASE has the same shape.
-    """
-    info = src.info(key)
-    is_float = info.dtype in FLOAT_DTYPES
-    base = job.base if key != "base" else None
-    comparable = base is not None and base.shape == info.shape and is_float and base.dtype in FLOAT_DTYPES
-    sumsq = 0.0
-    for rows in row_ranges(info, chunk_bytes):
-        raw = src.raw(key, rows)
-        if is_float:
-            t = info.decode(raw, rows)
-            if not bool(torch.isfinite(t).all()):
-                if not src.allow_nonfinite:
-                    which = "BASE" if key == "base" else "the fine-tune"
-                    raise InputError(
-                        f"tensor {job.name!r} in {which} ({info.file}) contains NaN or Inf; fix the "
-                        "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
-                    )
-                rec["nonfinite"] = True
-                comparable = False
-            if comparable:
-                d = t.to(torch.float64) - src.base(rows).to(torch.float64)
-                sumsq += float(torch.sum(d * d))
-            yield raw if info.dtype == job.out_dtype else cast_out(t, job.out_dtype)
-        else:
-            yield raw
-    if comparable and not rec.get("nonfinite"):
-        rec["delta_norm"] = sumsq**0.5
 
 
 def execute(
@@ -406,7 +287,7 @@ def execute(
     def wanted(job: TensorJob) -> bool:
         return job.action != "tied"
 
-    def produce(job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+    def produce(job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
         if job.runs_method:
             return op(job, src, rec)
         return passthrough(job, src, rec, "base" if job.action == "kept-base" else "ft0")
@@ -418,7 +299,7 @@ def execute(
         t0 = time.perf_counter()
         rec = base_record(job)
         blocks = list(
-            produce(job, Sources(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin), rec)
+            produce(job, JobInputs(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin), rec)
         )
         rec["seconds"] = round(time.perf_counter() - t0, 6)
         return rec, blocks
@@ -454,9 +335,7 @@ def execute(
     writer.start()
     try:
         for shard in todo_shards:
-            writer.q.put(
-                ("open", shard, shard_entries(plan, shard), shard_metadata(plan, shard, ft_metadata))
-            )
+            writer.q.put(("open", shard, shard_entries(plan, shard), shard_metadata(shard, ft_metadata)))
             shard_records = []
             for _ in plan.shards[shard]:
                 job, raw, held = pre.next()
@@ -472,7 +351,7 @@ def execute(
                 torch.set_num_threads(threads_before)
                 t0 = time.perf_counter()
                 rec = base_record(job)
-                src = Sources(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin)
+                src = JobInputs(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin)
                 if job.action == "tied":
                     assert job.tied_to is not None
                     writer.sync()

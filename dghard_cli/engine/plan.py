@@ -21,17 +21,10 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING, is_vocab_matrix
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES, tensor_nbytes
-
-EMBED_IN = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|tok_embeddings|embed_in|shared)\.weight$")
-EMBED_OUT = re.compile(r"(^|\.)(lm_head|embed_out)\.weight$|^output\.weight$")
-
-
-def is_vocab_matrix(name: str) -> bool:
-    """Input or output embedding: the tensors whose rows a vocabulary resize adds or removes."""
-    return bool(EMBED_IN.search(name) or EMBED_OUT.search(name))
 
 
 @dataclass
@@ -73,12 +66,6 @@ class Plan:
     @property
     def out_bytes(self) -> int:
         return sum(j.out_nbytes for j in self.jobs)
-
-    def job(self, name: str) -> TensorJob:
-        for j in self.jobs:
-            if j.name == name:
-                return j
-        raise KeyError(name)
 
 
 @dataclass
@@ -269,8 +256,8 @@ def _tie(jobs: list[TensorJob], ft0: Checkpoint, tie: bool | None, notes: list[s
             tie = tie or bool(text_cfg["tie_word_embeddings"])
     if not tie:
         return
-    ins = [j for j in jobs if EMBED_IN.search(j.name)]
-    outs = [j for j in jobs if EMBED_OUT.search(j.name)]
+    ins = [j for j in jobs if VOCAB_EMBEDDING.search(j.name)]
+    outs = [j for j in jobs if OUTPUT_HEAD.search(j.name)]
     for a in ins:
         for b in outs:
             if (

@@ -1,9 +1,35 @@
-"""Progress on stderr: a rich bar on a terminal, plain periodic lines in logs, or nothing."""
+"""Progress on stderr: a live bar on a terminal, plain periodic lines in logs, or nothing.
+
+The engine only counts; how a terminal shows the count is the command line's business: it
+installs a :class:`TerminalBar` factory with :func:`set_terminal_bar` (the CLI's is a rich bar,
+:mod:`dghard_cli.cli.progress`). Without one, a terminal gets the plain lines too.
+"""
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable
+from typing import Protocol
+
+
+class TerminalBar(Protocol):
+    """A live display of one :class:`Progress` on a terminal."""
+
+    def advance(self, nbytes: int, done_tensors: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+#: Makes the bar of a Progress: ``(label, total_bytes, total_tensors) -> TerminalBar``.
+BarFactory = Callable[[str, int, int], TerminalBar]
+_terminal_bar: BarFactory | None = None
+
+
+def set_terminal_bar(factory: BarFactory | None) -> None:
+    """Show progress on a terminal with bars made by ``factory`` (None: plain lines)."""
+    global _terminal_bar
+    _terminal_bar = factory
 
 
 def _fmt_bytes(n: float) -> str:
@@ -36,33 +62,9 @@ class Progress:
         self.interval = interval
         self._t0 = time.monotonic()
         self._last = self._t0
-        self._rich = None
-        self._task = None
-        if not quiet and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                DownloadColumn,
-                TextColumn,
-                TimeRemainingColumn,
-                TransferSpeedColumn,
-            )
-            from rich.progress import Progress as RP
-
-            self._rich = RP(
-                TextColumn("[bold]{task.description}"),
-                BarColumn(),
-                DownloadColumn(),
-                TransferSpeedColumn(),
-                TextColumn("{task.fields[tensors]}"),
-                TimeRemainingColumn(),
-                console=Console(stderr=True),
-                transient=True,
-            )
-            self._rich.start()
-            self._task = self._rich.add_task(
-                label, total=self.total_bytes, tensors=f"0/{total_tensors} tensors"
-            )
+        self._bar: TerminalBar | None = None
+        if not quiet and _terminal_bar is not None and sys.stderr.isatty():
+            self._bar = _terminal_bar(label, self.total_bytes, total_tensors)
         elif not quiet:
             print(
                 f"[dghard] {label}: {total_tensors} tensors, {_fmt_bytes(total_bytes)} {what}",
@@ -73,10 +75,8 @@ class Progress:
     def advance(self, nbytes: int, tensors: int = 1) -> None:
         self.done_bytes += nbytes
         self.done_tensors += tensors
-        if self._rich is not None:
-            self._rich.update(
-                self._task, advance=nbytes, tensors=f"{self.done_tensors}/{self.total_tensors} tensors"
-            )
+        if self._bar is not None:
+            self._bar.advance(nbytes, self.done_tensors)
         elif not self.quiet:
             now = time.monotonic()
             if now - self._last >= self.interval or self.done_tensors == self.total_tensors:
@@ -90,6 +90,6 @@ class Progress:
                 )
 
     def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-            self._rich = None
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +18,12 @@ from pathlib import Path
 import torch
 
 from dghard_cli.engine.device import resolve_device
-from dghard_cli.engine.pipeline import EngineOptions, TensorOp, execute
+from dghard_cli.engine.ops import TensorOp, base_record
+from dghard_cli.engine.pipeline import EngineOptions, execute
 from dghard_cli.engine.plan import Plan
 from dghard_cli.engine.progress import Progress
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
+from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint, path_exists
 from dghard_cli.io.output import INDEX_NAME, OutputStage, check_free_space, check_out_path
 from dghard_cli.io.verify import verify_dir
@@ -44,6 +45,9 @@ class RunOptions:
     argv: list[str] | None = None
     engine: EngineOptions | None = None  # None: EngineOptions.for_device(device)
     allow_nonfinite: bool = False  # NaN/Inf in an input tensor: pass FT's value through, reported
+    #: The output path the report names, when OUT is a staging place the caller moves into
+    #: place itself (a sweep's candidates); None: OUT.
+    report_out: str | None = None
 
 
 def fingerprint(command: str, method: str, parameters: dict, plan: Plan, inputs: list[Checkpoint]) -> str:
@@ -63,22 +67,13 @@ def fingerprint(command: str, method: str, parameters: dict, plan: Plan, inputs:
     return hashlib.sha256(json.dumps(doc, sort_keys=True, default=str).encode()).hexdigest()
 
 
+#: What a dry run's records leave out of a tensor's record: only the plan is known.
+_UNREAD_KEYS = ("input_dtype", "shared_rows", "base_rows")
+
+
 def plan_records(plan: Plan) -> list[dict]:
-    out = []
-    for j in plan.jobs:
-        rec = {
-            "name": j.name,
-            "shape": list(j.shape),
-            "dtype": j.out_dtype,
-            "action": j.action,
-            "shard": j.shard,
-        }
-        if j.reason:
-            rec["reason"] = j.reason
-        if j.tied_to:
-            rec["tied_to"] = j.tied_to
-        out.append(rec)
-    return out
+    """The records of a dry run: each tensor's record as far as the plan says it."""
+    return [{k: v for k, v in base_record(j).items() if k not in _UNREAD_KEYS} for j in plan.jobs]
 
 
 def inputs_doc(base: Checkpoint, fts: list[Checkpoint]) -> dict:
@@ -110,12 +105,19 @@ def write_model(
     make_op: Callable[[torch.device], TensorOp],
     run: RunOptions,
     spectral: bool = True,
-    extra_report: Callable[[], dict] | None = None,
+    extra_report: Callable[[list[dict]], dict] | None = None,
     timings: dict | None = None,
 ) -> dict:
-    """Write the model the plan describes to OUT; returns the report document."""
+    """Write the model the plan describes to OUT; returns the report document.
+
+    ``timings``: what the caller spent before (plan, calibration), counted in the total.
+    ``extra_report``: called with the per-tensor records once the tensors are written; what
+    it returns is added to the report, which is then written once, inside the staging
+    directory, before the rename.
+    """
     t_start = time.perf_counter()
     timings = dict(timings or {})
+    before = sum(timings.values())
     device = resolve_device(run.device)
     out = Path(out)
     check_out_path(out, [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
@@ -134,7 +136,7 @@ def write_model(
         spectral=spectral,
     )
     if run.dry_run:
-        timings["total"] = time.perf_counter() - t_start + timings.get("plan", 0.0)
+        timings["total"] = time.perf_counter() - t_start + before
         doc = report_mod.build_report(
             output={"path": str(out), "bytes": plan.out_bytes, "shards": len(plan.shards), "dry_run": True},
             timings=timings,
@@ -206,10 +208,10 @@ def write_model(
     expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
     verify_dir(stage.dir, expected=expected)
     timings["verify"] = time.perf_counter() - t1
-    timings["total"] = time.perf_counter() - t_start + timings.get("plan", 0.0)
+    timings["total"] = time.perf_counter() - t_start + before
 
     output = {
-        "path": str(out),
+        "path": run.report_out if run.report_out is not None else str(out),
         "shards": len(plan.shards),
         "bytes": plan.out_bytes,
         "index": plan.write_index,
@@ -217,7 +219,7 @@ def write_model(
         "resumed_shards": stage.resumed,
         "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
     }
-    extra = extra_report() if extra_report else None
+    extra = extra_report(records) if extra_report else None
     doc = report_mod.build_report(
         output=output,
         timings=timings,
@@ -236,7 +238,5 @@ def write_model(
     except OSError as exc:
         raise RuntimeFailure(f"could not move {stage.dir} to {out}: {exc.strerror or exc}") from None
     if abs_report is not None:
-        tmp = abs_report.with_name(abs_report.name + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        os.replace(tmp, abs_report)
+        write_json_atomic(abs_report, doc)
     return doc

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.io.atomic import swap_dir_into_place, write_text_atomic
 from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.safetensors_format import build_header
 
@@ -135,6 +136,10 @@ class ShardWriter:
         self._written += mv.nbytes
         self._skip_empty()
 
+    def flush(self) -> None:
+        """Hand the bytes written so far to the OS (a reader of the file sees them)."""
+        self._fh.flush()
+
     def finish(self) -> tuple[int, str]:
         """Close the file (fsynced); returns its size and sha256."""
         if self._pos != len(self._expected):
@@ -216,14 +221,9 @@ class OutputStage:
         self._rewrite_journal()
 
     def _rewrite_journal(self) -> None:
-        tmp = self.dir / (JOURNAL + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps({"fingerprint": self.fingerprint}) + "\n")
-            for rec in self.done.values():
-                fh.write(json.dumps(rec.__dict__) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.dir / JOURNAL)
+        lines = [json.dumps({"fingerprint": self.fingerprint})]
+        lines += [json.dumps(rec.__dict__) for rec in self.done.values()]
+        write_text_atomic(self.dir / JOURNAL, "".join(line + "\n" for line in lines), fsync=True)
 
     def shard_writer(self, name: str, entries, metadata) -> ShardWriter:
         return ShardWriter(self.dir / name, entries, metadata)
@@ -268,22 +268,7 @@ class OutputStage:
     def finalize(self, *, overwrite: bool) -> Path:
         """Remove the journal and move the staging directory to OUT atomically."""
         (self.dir / JOURNAL).unlink(missing_ok=True)
-        out = self.out
-        backup = None
-        if out.exists():
-            if any(out.iterdir()):
-                if not overwrite:
-                    raise InputError(f"output {out} appeared while running; pass --overwrite")
-                backup = out.parent / f".{out.name}.dghard-old"
-                if backup.exists():
-                    shutil.rmtree(backup)
-                os.replace(out, backup)
-            else:
-                out.rmdir()
-        os.replace(self.dir, out)
-        if backup is not None:
-            shutil.rmtree(backup, ignore_errors=True)
-        return out
+        return swap_dir_into_place(self.dir, self.out, overwrite=overwrite, during="running")
 
     def discard(self) -> None:
         """Remove the staging directory (bad input found before any work worth keeping)."""

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.engine.pipeline import row_ranges
+from dghard_cli.engine.ops import row_ranges
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.output import file_sha256

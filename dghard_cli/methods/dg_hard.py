@@ -14,30 +14,25 @@ components kept (the fine-tune's value).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from dghard_cli.engine.pipeline import Sources, cast_out, passthrough
+from dghard_cli.engine.ops import JobInputs, cast_out, passthrough
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.safetensors_format import torch_dtype
-from dghard_cli.spectral.spectrum import (
-    ROUTE,
-    ROUTE_QR32,
-    Filtered,
-    Projector,
-    ShrinkSpec,
-    Spectrum,
+from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, Decision, decide
+from dghard_cli.spectral.routes import (
     block_rows,
     choose_route,
-    filter_spectrum,
     gram_add_,
     qr_decision_is_safe,
     spectrum_from_gram,
     spectrum_from_r,
 )
+from dghard_cli.spectral.spectrum import ROUTE, ROUTE_QR32, Projector, ShrinkSpec, Spectrum
 
 
 class NonFiniteDelta(InputError):
@@ -57,7 +52,7 @@ class DeltaSpectrum:
     delta: torch.Tensor | None = None  # the float64 tall-form delta, kept when it was one block
 
 
-def delta_blocks(src: Sources, rows: int, cols: int, device: torch.device, block_bytes: int, ft: int = 0):
+def delta_blocks(src: JobInputs, rows: int, cols: int, device: torch.device, block_bytes: int, ft: int = 0):
     """Blocks ``(range, base block, ft block)`` of a matrix's first ``rows`` rows, on ``device``.
 
     Tall matrices (rows >= cols) come in row blocks, read from disk block by block when the
@@ -92,7 +87,7 @@ def _to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def delta_spectrum(
     job: TensorJob,
-    src: Sources,
+    src: JobInputs,
     device: torch.device,
     block_bytes: int = 64 * 1024 * 1024,
     ft: int = 0,
@@ -162,86 +157,135 @@ class SpectralFilterOp:
         self.block_bytes = block_bytes
         self.route = choose_route(device, route)
 
-    def spectrum(self, job: TensorJob, src: Sources, ft: int = 0) -> tuple[DeltaSpectrum, Filtered | None]:
+    def spectrum(self, job: TensorJob, src: JobInputs, ft: int = 0) -> tuple[DeltaSpectrum, Decision]:
         """The delta's spectrum and the shrinker's decision, by the fast route when it is safe.
 
         On the float32 route, a matrix whose cut falls within the route's error bound of a
         singular value is recomputed on the float64 route (and reported so).
         """
         ds = delta_spectrum(job, src, self.device, self.block_bytes, ft, route=self.route)
-        if ds.spectrum is None:
-            return ds, None
-        filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=job.fts[ft].dtype, rms_ft=ds.rms_ft)
+        dec = decide(ds.spectrum, self.spec, ft_dtype=job.fts[ft].dtype, rms_ft=ds.rms_ft)
+        if dec.filtered is None:
+            return ds, dec
         if ds.sigma_bound and not qr_decision_is_safe(
-            ds.spectrum.sigma, filt.tau, ds.sigma_bound, self.spec, ds.shape
+            ds.spectrum.sigma, dec.filtered.tau, ds.sigma_bound, self.spec, ds.shape
         ):
             ds = delta_spectrum(job, src, self.device, self.block_bytes, ft, route="gram64")
             ds.route = ROUTE + " (float32 cut was ambiguous)"
-            if ds.spectrum is None:
-                return ds, None
-            filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=job.fts[ft].dtype, rms_ft=ds.rms_ft)
-        return ds, filt
+            dec = decide(ds.spectrum, self.spec, ft_dtype=job.fts[ft].dtype, rms_ft=ds.rms_ft)
+        return ds, dec
 
-    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
-        dev = self.device
+    def __call__(self, job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
         try:
-            ds, filt = self.spectrum(job, src)
+            ds, dec = self.spectrum(job, src)
         except NonFiniteDelta:
             if not src.allow_nonfinite:
                 raise
             rec["action"], rec["reason"], rec["nonfinite"] = "kept-ft", "nonfinite", True
             yield from passthrough(job, src, rec)
             return
-        rows, cols = ds.shape
-        tall = rows >= cols
         rec["delta_norm"] = math.sqrt(max(ds.fro2, 0.0))
-        if ds.spectrum is None or filt is None:
+        if dec.kind == UNCHANGED:
             rec["action"], rec["reason"] = "kept-ft", "unchanged"
             yield from passthrough(job, src, rec)
             return
-        rec.update(_round_stats(filt.stats))
+        rec.update(_round_stats(dec.stats))
         rec["route"] = ds.route
-        if self.spec.noise == "median" and filt.stats.get("low_rank"):
+        if dec.kind == LOW_RANK:
             rec["action"], rec["reason"] = "kept-ft", "low-rank"
             yield from passthrough(job, src, rec)
             return
-        proj = Projector.from_weights(ds.spectrum, filt.weights)
+        proj = dec.projector(ds.spectrum, self.device)
         if proj.identity and job.shared_rows is None:
             yield from passthrough(job, src, rec)
             return
+        delta, ds.delta = ds.delta, None
+        yield from filtered_pass(
+            job,
+            src,
+            ds.shape,
+            self.device,
+            self.block_bytes,
+            [proj],
+            check=lambda t: _fits(t, job),
+            delta=delta,
+        )
 
-        out_dtype = torch_dtype(job.out_dtype)
-        # pass 2: W_base + Δ*, in the output dtype
-        if ds.delta is not None and not proj.zero:  # one block: the delta of pass 1 is still here
-            b64 = _to(src.base()[:rows], dev).to(torch.float64)
-            xs = proj.apply(ds.delta, inplace=True)
-            ds.delta = None
-            yield _fits(b64.add_(xs if tall else xs.T), job).to(out_dtype).cpu()
-            del xs, b64
-        elif tall:
-            blocks = delta_blocks(src, rows, cols, dev, self.block_bytes)
-            for _, b, f in blocks:
-                if proj.zero:
-                    out = b.to(out_dtype)
-                else:
-                    b64 = b.to(torch.float64)
-                    x = proj.apply(f.to(torch.float64).sub_(b64), inplace=True)
-                    out = _fits(b64.add_(x), job).to(out_dtype)
-                    del x, b64
+
+def filtered_pass(
+    job: TensorJob,
+    src: JobInputs,
+    shape: tuple[int, int],
+    device: torch.device,
+    block_bytes: int,
+    projectors: Sequence[Projector | None],
+    *,
+    check: Callable[[torch.Tensor], torch.Tensor],
+    weights: Sequence[float] | None = None,
+    lam: float = 1.0,
+    delta: torch.Tensor | None = None,
+) -> Iterator[torch.Tensor]:
+    """Pass 2 of a spectral operation: the output's blocks in the output dtype, in order.
+
+    ``weights`` None (``repair``): ``W_base + Δ*`` with the one projector of ``projectors``
+    (``delta``: pass 1's float64 tall-form delta when it was one block, reused instead of
+    re-read). Otherwise (``merge``): ``W_base + λ·Σ_i w_i·Δ_i*``, one projector per fine-tune
+    (None: Δ_i = 0). ``check`` sees every float64 block before its cast (and may raise).
+    Rows beyond ``shape`` (a resized vocabulary) keep the first fine-tune's values.
+    """
+    rows, cols = shape
+    tall = rows >= cols
+    out_dtype = torch_dtype(job.out_dtype)
+    single = weights is None
+    if single and delta is not None and not projectors[0].zero:  # one block: reuse pass 1's delta
+        b64 = _to(src.base()[:rows], device).to(torch.float64)
+        xs = projectors[0].apply(delta, inplace=True)
+        del delta
+        yield check(b64.add_(xs if tall else xs.T)).to(out_dtype).cpu()
+        del xs, b64
+    else:
+        n = 1 if single else len(projectors)
+        gens = [delta_blocks(src, rows, cols, device, block_bytes, ft=i) for i in range(n)]
+        full = None if tall else torch.empty((rows, cols), dtype=out_dtype, device=device)
+        for parts in zip(*gens, strict=True):
+            rng, b, _ = parts[0]
+            fines = [f for _, _, f in parts]
+            if single:
+                out = _filtered_block(b, fines[0], projectors[0], tall, out_dtype, check)
+            else:
+                out = _merged_block(b, fines, projectors, weights, lam, tall, out_dtype, check)
+            if full is None:
                 yield out.cpu()
-        else:
-            blocks = delta_blocks(src, rows, cols, dev, self.block_bytes)
-            full = torch.empty((rows, cols), dtype=out_dtype, device=dev)
-            for (c0, c1), b, f in blocks:
-                if proj.zero:
-                    full[:, c0:c1] = b.to(out_dtype)
-                    continue
-                b64 = b.to(torch.float64)
-                xs = proj.apply(f.to(torch.float64).sub_(b64).T, inplace=True).T
-                full[:, c0:c1] = _fits(b64.add_(xs), job).to(out_dtype)
+            else:
+                full[:, rng[0] : rng[1]] = out
+        if full is not None:
             yield full.cpu()
-        if job.shared_rows is not None and job.shape[0] > rows:
-            yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)
+    if job.shared_rows is not None and job.shape[0] > rows:
+        yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)
+
+
+def _filtered_block(b, f, proj: Projector, tall: bool, out_dtype, check) -> torch.Tensor:
+    """``W_base + Δ*`` of one block (rank 0: the base's value as stored)."""
+    if proj.zero:
+        return b.to(out_dtype)
+    b64 = b.to(torch.float64)
+    x = f.to(torch.float64).sub_(b64)
+    xs = proj.apply(x if tall else x.T, inplace=True)
+    return check(b64.add_(xs if tall else xs.T)).to(out_dtype)
+
+
+def _merged_block(b, fines, projectors, weights, lam: float, tall: bool, out_dtype, check) -> torch.Tensor:
+    """``W_base + λ·Σ_i w_i·Δ_i*`` of one block, accumulated from zero in float64."""
+    b64 = b.to(torch.float64)
+    acc = torch.zeros_like(b64 if tall else b64.T)
+    for f, proj, w in zip(fines, projectors, weights, strict=True):
+        if proj is None or proj.zero or w == 0:
+            continue
+        x = f.to(torch.float64) - b64
+        acc.add_(proj.apply(x if tall else x.T), alpha=w)
+    if lam != 1.0:
+        acc.mul_(lam)
+    return check(b64 + (acc if tall else acc.T)).to(out_dtype)
 
 
 def _fits(t: torch.Tensor, job: TensorJob) -> torch.Tensor:

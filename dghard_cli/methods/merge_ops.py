@@ -13,7 +13,7 @@ bf16/fp16 numbers is exact in float32; that of two float32 numbers is rounded on
 top-k stays exact anyway (see :mod:`dghard_cli.methods.ties`: the few entries whose rounded
 magnitude equals the rounded threshold are ranked by their float64 magnitude).
 
-:class:`SpectralMergeOp` is DG-Hard in merge: each Δ_i of an eligible matrix is filtered as in
+:class:`~dghard_cli.methods.spectral_merge.SpectralMergeOp` is DG-Hard in merge: each Δ_i of an eligible matrix is filtered as in
 ``repair`` (same spectra, same projector), then combined by task arithmetic; tensors that are
 not eligible matrices get plain task arithmetic.
 """
@@ -25,15 +25,13 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.pipeline import Sources, cast_out
+from dghard_cli.engine.ops import JobInputs, cast_out
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
-from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.methods import ties as T
 from dghard_cli.methods.dare import DareStream
-from dghard_cli.methods.dg_hard import delta_blocks, delta_spectrum
 from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
-from dghard_cli.spectral.spectrum import ROUTE, Projector, ShrinkSpec, filter_spectrum
+from dghard_cli.methods.wise_ft import wise_ft_delta
 
 BLOCK_BYTES = 64 * 1024 * 1024
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
@@ -91,7 +89,7 @@ class WiseFTKernel(Kernel):
         self.alpha = alpha
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        return deltas[0] * self.alpha
+        return wise_ft_delta(deltas[0], self.alpha)
 
 
 class TaskArithmeticKernel(Kernel):
@@ -223,7 +221,7 @@ class LayerWeightsKernel(Kernel):
         return {"recall_group": self.group, "recall_weights": self.alpha}
 
 
-def _sumsq(t: torch.Tensor) -> float:
+def squared_norm(t: torch.Tensor) -> float:
     """‖t‖² in one pass with no temporary; NaN/Inf anywhere in ``t`` make it non-finite."""
     flat = t.reshape(-1)
     return float(torch.dot(flat, flat)) if flat.numel() else 0.0
@@ -249,14 +247,14 @@ class ElementwiseMergeOp:
         self.block_bytes = block_bytes
         self.whole_bytes = max(whole_bytes, block_bytes)
 
-    def _read(self, job: TensorJob, src: Sources, key: str, rows, wd: torch.dtype) -> torch.Tensor:
+    def _read(self, job: TensorJob, src: JobInputs, key: str, rows, wd: torch.dtype) -> torch.Tensor:
         full = rows is None and job.shared_rows is not None
         r = (0, job.shared_rows) if full else rows
         t = src.base(r) if key == "base" else src.ft(int(key[2:]), r)
         return t.to(device=self.device, dtype=wd)
 
     @staticmethod
-    def _exact(job: TensorJob, src: Sources, i: int) -> T.ExactMagnitudes:
+    def _exact(job: TensorJob, src: JobInputs, i: int) -> T.ExactMagnitudes:
         """|W_i − W_base| in float64 at flat positions, read from the inputs when asked."""
         rows = (0, job.shared_rows) if job.shared_rows is not None else None
 
@@ -267,7 +265,7 @@ class ElementwiseMergeOp:
 
         return exact
 
-    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
+    def __call__(self, job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
         wd = work_dtype(job)
         n = len(job.fts)
         kernel = self.make_kernel(job)
@@ -290,7 +288,7 @@ class ElementwiseMergeOp:
             for i in range(n):
                 # never in place: a read may be a view of the input's buffer
                 d = torch.sub(self._read(job, src, f"ft{i}", rows, wd), b)
-                sq = _sumsq(d)  # Δ is finite iff BASE and FT are (inf − x, x − inf, nan: not)
+                sq = squared_norm(d)  # Δ is finite iff BASE and FT are (inf − x, x − inf, nan: not)
                 if not math.isfinite(sq):
                     raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
                 sumsq[i] += sq
@@ -300,7 +298,7 @@ class ElementwiseMergeOp:
                 deltas.append(d)
             merged = kernel.block(deltas)
             del deltas
-            msq = _sumsq(merged)
+            msq = squared_norm(merged)
             if not math.isfinite(msq):
                 raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
             merged_sq += msq
@@ -317,104 +315,3 @@ class ElementwiseMergeOp:
         rec["delta_norm"] = rec["delta_norms"][0]
         rec["merged_delta_norm"] = math.sqrt(merged_sq)
         rec.update(kernel.stats())
-
-
-def _identity_projector(m: int, device: torch.device) -> Projector:
-    return Projector(
-        c=1.0,
-        vs=torch.zeros((m, 0), dtype=torch.float64, device=device),
-        d=torch.zeros(0, dtype=torch.float64, device=device),
-    )
-
-
-class SpectralMergeOp:
-    """DG-Hard in merge: ``W_base + λ·Σ_i w_i·Δ_i*`` on eligible matrices, task arithmetic elsewhere."""
-
-    def __init__(
-        self,
-        spec: ShrinkSpec,
-        weights: Sequence[float],
-        lam: float,
-        device: torch.device,
-        is_matrix: Callable[[TensorJob], bool],
-        block_bytes: int = BLOCK_BYTES,
-    ) -> None:
-        self.spec = spec
-        self.weights, self.lam = list(weights), lam
-        self.device = device
-        self.is_matrix = is_matrix
-        self.block_bytes = block_bytes
-        self.fallback = ElementwiseMergeOp(
-            lambda job: TaskArithmeticKernel(self.weights, self.lam), device, block_bytes
-        )
-
-    def __call__(self, job: TensorJob, src: Sources, rec: dict) -> Iterator[torch.Tensor]:
-        if not self.is_matrix(job):
-            rec["merge_rule"] = "task-arithmetic"
-            yield from self.fallback(job, src, rec)
-            return
-        rec["merge_rule"] = "dg-hard"
-        dev = self.device
-        projectors: list[Projector | None] = []
-        per_ft: list[dict] = []
-        norms: list[float] = []
-        for i, info in enumerate(job.fts):
-            ds = delta_spectrum(job, src, dev, self.block_bytes, ft=i)
-            norms.append(math.sqrt(max(ds.fro2, 0.0)))
-            if ds.spectrum is None:
-                projectors.append(None)
-                per_ft.append({"decision": "unchanged", "rank_kept": 0})
-                continue
-            filt = filter_spectrum(ds.spectrum, self.spec, ft_dtype=info.dtype, rms_ft=ds.rms_ft)
-            st = filt.stats
-            entry = {
-                "rank_kept": st["rank_kept"],
-                "tau": float(f"{st['tau']:.10g}"),
-                "median_sv": float(f"{st['median_sv']:.10g}"),
-                "energy_kept": float(f"{st['energy_kept']:.10g}"),
-                "decision": "filtered",
-            }
-            if self.spec.noise == "median" and st.get("low_rank"):
-                entry["decision"] = "low-rank (kept whole)"
-                entry["rank_kept"] = int(st["low_rank"])
-                entry["energy_kept"] = 1.0
-                projectors.append(_identity_projector(ds.spectrum.small, dev))
-            else:
-                projectors.append(Projector.from_weights(ds.spectrum, filt.weights))
-            per_ft.append(entry)
-        rec["delta_norms"] = norms
-        rec["delta_norm"] = norms[0]
-        rec["ranks"] = [e["rank_kept"] for e in per_ft]
-        rec["spectral"] = per_ft
-        rec["route"] = ROUTE
-
-        rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
-        cols = job.shape[1]
-        tall = rows >= cols
-        out_dtype = torch_dtype(job.out_dtype)
-        gens = [delta_blocks(src, rows, cols, dev, self.block_bytes, ft=i) for i in range(len(job.fts))]
-        full = None if tall else torch.empty((rows, cols), dtype=out_dtype, device=dev)
-        for parts in zip(*gens, strict=True):
-            rng = parts[0][0]
-            b64 = parts[0][1].to(torch.float64)
-            acc = torch.zeros_like(b64 if tall else b64.T)
-            for (_, _, f), proj, w in zip(parts, projectors, self.weights, strict=True):
-                if proj is None or proj.zero or w == 0:
-                    continue
-                x = f.to(torch.float64) - b64
-                acc.add_(proj.apply(x if tall else x.T), alpha=w)
-            if self.lam != 1.0:
-                acc.mul_(self.lam)
-            out = b64 + (acc if tall else acc.T)
-            if not math.isfinite(_sumsq(out)):
-                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
-            out = out.to(out_dtype)
-            if tall:
-                yield out.cpu()
-            else:
-                assert full is not None
-                full[:, rng[0] : rng[1]] = out
-        if full is not None:
-            yield full.cpu()
-        if job.shared_rows is not None and job.shape[0] > rows:
-            yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)

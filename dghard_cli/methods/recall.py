@@ -26,26 +26,15 @@ options, all documented in the README) are:
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Sequence
 
 import numpy as np
 
+from dghard_cli.architecture import is_input_embedding, layer_index
+
 KERNELS = ("linear-cka", "rbf-cka", "cosine")
 POOLINGS = ("token", "mean")
 SELECTIONS = ("kmeans", "first")
-
-#: ``...layers.12.`` (Llama, Qwen, Mistral), ``h.3.`` (GPT-2), ``blocks.0.``, ``layer.5.`` (BERT).
-LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks|block|layer)\.(\d+)\.")
-EMBED_NAME = re.compile(
-    r"(^|\.)(embed_tokens|wte|wpe|word_embeddings|tok_embeddings|embed_in|embed_positions)\."
-)
-
-
-def layer_index(name: str) -> int | None:
-    """The decoder-layer index in a tensor name, or None."""
-    m = LAYER_INDEX.search(name)
-    return int(m.group(1)) if m else None
 
 
 def tensor_group(name: str, num_layers: int) -> str:
@@ -57,7 +46,7 @@ def tensor_group(name: str, num_layers: int) -> str:
     i = layer_index(name)
     if i is not None:
         return f"layer.{min(i, num_layers - 1)}"
-    if EMBED_NAME.search(name):
+    if is_input_embedding(name):
         return "embed"
     return f"layer.{num_layers - 1}"
 

@@ -27,23 +27,15 @@ from pathlib import Path
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.hub import is_hub_id
+from dghard_cli.methods import registry
 
 MAX_RECIPE_BYTES = 1024 * 1024
 
 NUMBER, INT, STR, BOOL, STR_LIST, SIZE = "number", "integer", "string", "boolean", "list of strings", "size"
 
-TOP_KEYS: dict[str, str] = {
-    "method": STR,
-    "base": "model",
-    "models": "list of models",
-    "out": STR,
-    "alpha": NUMBER,
-    "lambda": NUMBER,
-    "density": NUMBER,
-    "seed": INT,
-    "scale": NUMBER,
-    "calib": STR,
-    "recall": "mapping",
+#: Recipe keys that are not merge parameters: the models and the run's settings.
+MODEL_SET_KEYS: dict[str, str] = {"method": STR, "base": "model", "models": "list of models", "out": STR}
+POLICY_KEYS: dict[str, str] = {
     "include": STR_LIST,
     "exclude": STR_LIST,
     "min_numel": INT,
@@ -54,14 +46,12 @@ TOP_KEYS: dict[str, str] = {
     "report": STR,
 }
 MODEL_KEYS = {"model": STR, "weight": NUMBER, "revision": STR}
-RECALL_KEYS = {
-    "kernel": STR,
-    "pooling": STR,
-    "temperature": NUMBER,
-    "samples": INT,
-    "select": STR,
-    "max_tokens": INT,
-}
+
+
+def top_keys() -> dict[str, str]:
+    """Every top-level key and its kind: the model set, each method parameter (from the
+    registry), the run's settings."""
+    return {**MODEL_SET_KEYS, **registry.recipe_keys(), **POLICY_KEYS}
 
 
 @dataclass
@@ -78,7 +68,11 @@ class Recipe:
     base: ModelRef
     models: list[ModelRef]
     values: dict = field(default_factory=dict)  # every other top-level key given
-    recall: dict = field(default_factory=dict)
+    maps: dict = field(default_factory=dict)  # mapping parameters (``recall:``) by name
+
+    @property
+    def recall(self) -> dict:
+        return self.maps.get("recall", {})
 
     @property
     def weights(self) -> list[float] | None:
@@ -175,7 +169,7 @@ def load_recipe(path: str | Path) -> Recipe:
     doc = read_yaml_file(path, where, MAX_RECIPE_BYTES)
     if not isinstance(doc, dict):
         raise InputError(f"{where}: must be a YAML mapping of keys (method, base, models, ...)")
-    _check_mapping(doc, TOP_KEYS, where)
+    _check_mapping(doc, top_keys(), where)
     for key in ("method", "base", "models"):
         if key not in doc:
             raise InputError(f"{where}: missing {key!r}")
@@ -187,15 +181,18 @@ def load_recipe(path: str | Path) -> Recipe:
     if not isinstance(models_doc, list) or not models_doc:
         raise InputError(f"{where}: 'models' must be a non-empty list of fine-tuned checkpoints")
     models = [_model(e, f"{where}: models[{i}]", root) for i, e in enumerate(models_doc)]
-    recall = doc.get("recall", {})
-    if not isinstance(recall, dict):
-        raise InputError(f"{where}: key 'recall' must be a mapping of RECALL options")
-    _check_mapping(recall, RECALL_KEYS, f"{where}: recall")
-    values = {k: v for k, v in doc.items() if k not in ("method", "base", "models", "recall")}
+    maps: dict = {}
+    for name in registry.mapping_params():
+        sub = doc.get(name, {})
+        if not isinstance(sub, dict):
+            raise InputError(f"{where}: key {name!r} must be a mapping of {registry.params()[name].help}")
+        _check_mapping(sub, registry.sub_keys(name), f"{where}: {name}")
+        maps[name] = sub
+    values = {k: v for k, v in doc.items() if k not in ("method", "base", "models", *maps)}
     for key in ("out", "calib", "report"):
         if key in values:
             values[key] = _resolve_path(values[key], root)
     for key in ("include", "exclude"):
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
-    return Recipe(path=path, method=doc["method"], base=base, models=models, values=values, recall=recall)
+    return Recipe(path=path, method=doc["method"], base=base, models=models, values=values, maps=maps)

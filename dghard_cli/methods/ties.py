@@ -239,6 +239,9 @@ def ties_merge(
     density: float,
     lam: float = 1.0,
 ) -> torch.Tensor:
-    """TIES on whole tensors: ``W_base + λ·disjoint_mean(elect(trim(Δ_i)))``."""
+    """TIES on whole tensors: ``W_base + λ·disjoint_mean(elect(trim(Δ_i)))``.
+
+    Public in-memory API (the commands stream through ``TiesKernel`` instead).
+    """
     trimmed = [trim(f - base, density) for f in fts]
     return base + ties_delta(trimmed, weights, lam)

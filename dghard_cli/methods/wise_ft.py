@@ -14,8 +14,3 @@ import torch
 def wise_ft_delta(delta: torch.Tensor, alpha: float) -> torch.Tensor:
     """The merged delta ``α·Δ`` (add it to W_base)."""
     return delta * alpha
-
-
-def wise_ft(base: torch.Tensor, ft: torch.Tensor, alpha: float) -> torch.Tensor:
-    """``(1 − α)·W_base + α·W_ft``, computed as ``W_base + α·(W_ft − W_base)``."""
-    return base + wise_ft_delta(ft - base, alpha)

@@ -229,33 +229,3 @@ def model_card(report: dict) -> str:
         lines.append(f"- warning: {w}")
     lines += ["", "The full per-tensor report is `dghard_report.json` in this directory.", ""]
     return "\n".join(lines)
-
-
-def summary_table(report: dict):
-    """A short rich table for the terminal."""
-    from rich.table import Table
-
-    s = report["summary"]
-    t = Table(title=f"dghard {report['command']}: {report['method']}", show_header=False, box=None)
-    t.add_column(style="bold")
-    t.add_column()
-    t.add_row("tensors", f"{s['tensors']} (" + ", ".join(f"{k} {v}" for k, v in s["actions"].items()) + ")")
-    if s.get("energy_kept") is not None:
-        t.add_row("energy kept", f"{100 * s['energy_kept']:.1f} % of ‖Δ‖²")
-        t.add_row("rank kept", f"median {s['rank_kept_median']:g}, max {s['rank_kept_max']}")
-        t.add_row("noise bulk", f"{s['bulk_found_tensors']} of {s['method_tensors']} matrices")
-    if s.get("low_rank_tensors"):
-        t.add_row("low-rank", f"{s['low_rank_tensors']} matrices kept as fine-tuned")
-    tm = report.get("timings", {})
-    if "total" in tm:
-        t.add_row("time", f"{tm['total']:.1f} s")
-    mem = report.get("peak_memory", {})
-    if "rss_bytes" in mem:
-        t.add_row("peak RSS", f"{mem['rss_bytes'] / 2**20:.0f} MiB")
-    if report.get("output"):
-        t.add_row("output", str(report["output"].get("path")))
-    if s.get("verdict"):
-        t.add_row("verdict", s["verdict"])
-    for w in s.get("warnings", []):
-        t.add_row("warning", w)
-    return t

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import base64
 import html
-import os
 from pathlib import Path
 
 import numpy as np
 
 from dghard_cli.errors import InputError
+from dghard_cli.io.atomic import write_text_atomic
 from dghard_cli.report import plots
 
 CSS = """
@@ -215,7 +215,4 @@ def write_html(doc: dict, path: str | Path, spectra: dict[str, np.ndarray] | Non
     if not p.parent.exists():
         raise InputError(f"--html {path}: directory {p.parent} does not exist")
     text = render_html(doc, spectra)
-    tmp = p.with_name(p.name + ".tmp")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, p)
-    return p
+    return write_text_atomic(p, text)

@@ -15,15 +15,12 @@ import re
 
 import numpy as np
 
+from dghard_cli.architecture import layer_module
 from dghard_cli.errors import InputError
 from dghard_cli.spectral.marchenko_pastur import mp_support
-from dghard_cli.spectral.spectrum import noise_from_median
+from dghard_cli.spectral.shrinkers import noise_from_median
 
 EXTRA_HINT = "pip install 'dghard[plot]'"
-
-#: ``model.layers.12.mlp.down_proj.weight`` -> (12, ``mlp.down_proj``); also GPT-2 ``h.3``,
-#: BERT ``encoder.layer.3``, ``blocks.7``.
-LAYER_NAME = re.compile(r"(?:^|\.)(?:layers|layer|h|blocks|block)\.(\d+)\.(.+?)(?:\.weight)?$")
 
 
 def require_matplotlib(what: str = "plots") -> None:
@@ -36,12 +33,8 @@ def require_matplotlib(what: str = "plots") -> None:
         raise InputError(f"{what} need matplotlib, which is not installed: {EXTRA_HINT}") from None
 
 
-def parse_layer_module(name: str) -> tuple[int, str] | None:
-    """Layer index and module name of a per-layer tensor, or None (embeddings, lm_head, ...)."""
-    m = LAYER_NAME.search(name)
-    if not m:
-        return None
-    return int(m.group(1)), m.group(2)
+#: Layer index and module name of a per-layer tensor (see :mod:`dghard_cli.architecture`).
+parse_layer_module = layer_module
 
 
 def mp_density(x: np.ndarray, beta: float) -> np.ndarray:

@@ -300,7 +300,10 @@ def intruder_dimensions(
 
 
 def dense_blocks(w: torch.Tensor, rows: int = 1 << 30, cols: int = 1 << 30) -> BlockSource:
-    """A :data:`BlockSource` over an in-memory matrix (tests, small tensors)."""
+    """A :data:`BlockSource` over an in-memory matrix (tests, small tensors).
+
+    Public in-memory API (the audit streams checkpoint tensors instead).
+    """
 
     def gen(axis: int) -> Iterable[torch.Tensor]:
         if axis == 0:

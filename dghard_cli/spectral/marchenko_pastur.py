@@ -87,12 +87,6 @@ def omega(beta: float) -> float:
     return lambda_star(beta) / math.sqrt(mp_median(beta))
 
 
-def shape_beta(shape: tuple[int, int]) -> float:
-    """β = min(m, n) / max(m, n) of a matrix shape."""
-    m, n = shape
-    return min(m, n) / max(m, n)
-
-
 def optimal_frobenius_shrink(y: np.ndarray, beta: float) -> np.ndarray:
     """Gavish–Donoho (2017) Frobenius-optimal singular value shrinker.
 

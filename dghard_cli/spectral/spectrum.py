@@ -13,27 +13,21 @@ where ``c`` is the most common weight and ``S`` the components whose weight diff
 (for the hard cut: the kept spikes, or the dropped bulk when more than half are kept), so the
 projection costs ``O(N M |S|)``.
 
-All functions here are pure: tensors in, tensors and plain statistics out.
+All functions here are pure: tensors in, tensors and plain statistics out. This module holds
+the types (:class:`ShrinkSpec`, :class:`Spectrum`, :class:`Filtered`, :class:`Projector`);
+:mod:`.routes` computes spectra, :mod:`.shrinkers` turns them into weights, :mod:`.decide` says
+what that means for one matrix.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from dghard_cli.errors import InputError
-from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF
-from dghard_cli.spectral.marchenko_pastur import (
-    ks_distance,
-    lambda_star,
-    mp_median,
-    omega,
-    optimal_frobenius_shrink,
-)
 
 SHRINKERS = ("hard", "soft", "optimal", "twoknob")
 NOISE_RULES = ("median", "known")
@@ -92,7 +86,6 @@ class Spectrum:
     fro2: float  # ‖Δ‖_F² (trace of the Gram matrix)
     gram: torch.Tensor | None = None  # M x M float64, kept while vectors may still be asked for
     full_vectors: torch.Tensor | None = None  # M x M float64, columns ordered like ``sigma``
-    vector_route: str = "eigh"  # how the vectors were obtained: eigh | chebyshev
 
     @property
     def vectors(self) -> torch.Tensor:
@@ -101,7 +94,6 @@ class Spectrum:
             assert self.gram is not None, "spectrum has neither vectors nor its Gram matrix"
             _, evecs = torch.linalg.eigh(self.gram)
             self.full_vectors = evecs.flip(1)
-            self.vector_route = "eigh"
         return self.full_vectors
 
     @vectors.setter
@@ -119,7 +111,6 @@ class Spectrum:
         if self.full_vectors is None and self.gram is not None and idx.size:
             vecs = partial_eigenvectors(self.gram, self.sigma**2, idx)
             if vecs is not None:
-                self.vector_route = "chebyshev"
                 return vecs
         v = self.vectors
         return v[:, torch.as_tensor(idx, device=v.device, dtype=torch.long)]
@@ -147,54 +138,6 @@ class Filtered:
 
 
 # -- Gram accumulation and eigendecomposition ------------------------------------------
-
-
-def gram_accumulate(blocks: Iterable[torch.Tensor], m_small: int, device: torch.device) -> torch.Tensor:
-    """``G = Σ_b X_bᵀ X_b`` in float64 over row blocks ``X_b`` (``rows x M``) of the tall form."""
-    g = torch.zeros((m_small, m_small), dtype=torch.float64, device=device)
-    for xb in blocks:
-        gram_add_(g, xb.to(device=device, dtype=torch.float64))
-    return g
-
-
-def gram_add_(g: torch.Tensor, x: torch.Tensor) -> None:
-    """``g += xᵀx`` in float64, through torch's BLAS (one thread pool for all the heavy work:
-    numpy's OpenBLAS pool running beside torch's OpenMP pool slowed eigensolvers 50x here)."""
-    g.addmm_(x.T, x)
-
-
-#: Eigenvalues of the float64 Gram matrix below ``GRAM_FLOOR * M * eps * λ_max`` are rounding
-#: error of its formation and eigendecomposition, not singular values: they are set to zero.
-GRAM_FLOOR = 4.0
-
-
-def spectrum_from_gram(
-    g: torch.Tensor, shape: tuple[int, int], *, lazy_vectors: bool | None = None
-) -> Spectrum:
-    """Eigendecomposition of the Gram matrix: σ descending, vectors to match.
-
-    ``lazy_vectors`` (default: on the CPU) computes the eigenvalues alone now and only the
-    vectors a filter needs later (:meth:`Spectrum.vectors_for`): about half the cost of a
-    full decomposition when few components are kept. Singular values below the route's
-    resolution (``sqrt(4 M eps) σ_max``, about 1e-6 σ_max for M = 4096) are exact zeros: an
-    exactly rank-deficient delta then has a well-defined numerical rank, the same whatever
-    rotation of it is given.
-    """
-    g = 0.5 * (g + g.T)  # exact symmetry for the eigensolver
-    if lazy_vectors is None:
-        lazy_vectors = g.device.type == "cpu"
-    if lazy_vectors:
-        lam = torch.linalg.eigvalsh(g).flip(0).numpy().astype(np.float64)
-        vectors = None
-    else:
-        evals, evecs = torch.linalg.eigh(g)
-        lam = evals.flip(0).cpu().numpy().astype(np.float64)
-        vectors = evecs.flip(1)
-    floor = GRAM_FLOOR * g.shape[0] * np.finfo(np.float64).eps * max(float(lam[0]) if lam.size else 0.0, 0.0)
-    lam[lam <= floor] = 0.0
-    sig = np.sqrt(lam)
-    fro2 = float(torch.trace(g))
-    return Spectrum(shape=shape, sigma=sig, fro2=fro2, gram=g if lazy_vectors else None, full_vectors=vectors)
 
 
 #: Largest block of eigenvectors computed by the filtered subspace iteration (else full eigh).
@@ -269,206 +212,7 @@ def partial_eigenvectors(
     return v.contiguous()
 
 
-def choose_route(device: torch.device, requested: str = "auto") -> str:
-    """``gram64`` (float64 Gram) everywhere float64 is fast; ``qr32`` on GPUs where it is not."""
-    if requested not in ROUTES:
-        raise InputError(f"--route {requested!r} is not one of {', '.join(ROUTES)}")
-    if requested != "auto":
-        return requested
-    if (
-        device.type == "cuda"
-        and tuple(torch.cuda.get_device_capability(device)) not in FAST_FP64_CAPABILITIES
-    ):
-        return "qr32"
-    return "gram64"
-
-
-def spectrum_from_r(
-    r: torch.Tensor, shape: tuple[int, int], fro2: float, eigh_device: torch.device, out_device: torch.device
-) -> tuple[Spectrum, float]:
-    """Spectrum from the float32 R factor: float64 eigendecomposition of RᵀR.
-
-    Returns the spectrum and the absolute error bound of its singular values used to check
-    threshold decisions (see :func:`qr_decision_is_safe`).
-    """
-    m_small = r.shape[1]
-    r64 = r.to(device=eigh_device, dtype=torch.float64)
-    if r64.shape[0] < m_small:  # fewer rows than columns only for a tall form with N < M (not reached)
-        r64 = torch.cat([r64, r64.new_zeros((m_small - r64.shape[0], m_small))], dim=0)
-    lazy = eigh_device.type == "cpu" and out_device.type == "cpu"
-    spec = spectrum_from_gram(r64.T @ r64, shape, lazy_vectors=lazy)
-    if spec.full_vectors is not None:
-        spec.full_vectors = spec.full_vectors.to(out_device)
-    spec.fro2 = fro2
-    sigma_max = float(spec.sigma[0]) if spec.sigma.size else 0.0
-    bound = QR32_ERROR_FACTOR * math.sqrt(m_small) * 2.0**-24 * sigma_max
-    return spec, bound
-
-
-#: Singular values of the float32 QR route are trusted to ``QR32_ERROR_FACTOR·sqrt(M)·u32·σ_max``
-#: (Householder QR backward error, with a safety factor; measured errors sit well below it).
-QR32_ERROR_FACTOR = 8.0
-
-
-def qr_decision_is_safe(
-    sigma: np.ndarray, tau: float, bound: float, spec: ShrinkSpec, shape: tuple[int, int]
-) -> bool:
-    """True when no singular value is within the float32 route's error of the threshold.
-
-    The threshold itself moves with the median (unknown noise: by at most ω·bound), so a
-    component is decided safely when ``|σ_i − τ| > bound·(1 + ω·scale)``. Soft and optimal
-    shrinkers are continuous in σ; their decision is the hard one at the same τ.
-    """
-    if sigma.size == 0 or bound == 0.0:
-        return True
-    big, small = max(shape), min(shape)
-    slack = bound * (1.0 + (omega(small / big) * spec.scale if spec.noise == "median" else 0.0))
-    return bool(np.min(np.abs(sigma - tau)) > slack)
-
-
-def tall_rows(x: torch.Tensor, rows_per_block: int) -> Iterable[torch.Tensor]:
-    """Row blocks of a matrix already in its tall form."""
-    for r0 in range(0, x.shape[0], rows_per_block):
-        yield x[r0 : r0 + rows_per_block]
-
-
-def block_rows(ncols: int, budget_bytes: int, itemsize: int = 8) -> int:
-    """Rows per block so one float64 block of ``ncols`` columns fits in ``budget_bytes``."""
-    return max(1, budget_bytes // max(1, ncols * itemsize))
-
-
 # -- thresholds and shrinkers ---------------------------------------------------------
-
-
-def noise_from_median(median_sv: float, shape: tuple[int, int]) -> float:
-    """Per-entry noise std implied by the median singular value (Marchenko–Pastur)."""
-    big, small = max(shape), min(shape)
-    return median_sv / math.sqrt(big * mp_median(small / big))
-
-
-def gd_threshold(sigma: np.ndarray, shape: tuple[int, int], spec: ShrinkSpec) -> tuple[float, float, float]:
-    """Gavish–Donoho threshold ``τ`` (scale applied), the median σ, and the noise level used.
-
-    Unknown noise: ``τ = scale·ω(β)·median(σ)``; known noise ``s``: ``τ = scale·λ*(β)·sqrt(N)·s``.
-    The median is the statistical one (mean of the middle pair for an even count).
-    """
-    big, small = max(shape), min(shape)
-    beta = small / big
-    median_sv = float(np.median(sigma)) if sigma.size else 0.0
-    if spec.noise == "known":
-        assert spec.sigma is not None
-        noise = float(spec.sigma)
-        tau0 = lambda_star(beta) * math.sqrt(big) * noise
-    else:
-        noise = noise_from_median(median_sv, shape)
-        tau0 = omega(beta) * median_sv
-    return spec.scale * tau0, median_sv, noise
-
-
-def shrink_weights(
-    sigma: np.ndarray, shape: tuple[int, int], tau: float, noise: float, spec: ShrinkSpec
-) -> np.ndarray:
-    """Weight ``w_i`` per component so that the filtered singular values are ``w_i σ_i``.
-
-    hard: 1 above τ, else 0 (strictly above, as the paper); soft: ``max(σ − τ, 0)/σ``;
-    optimal: Gavish–Donoho 2017 Frobenius shrinker with noise ``scale·s``;
-    twoknob: ``a`` above τ, ``b`` at or below.
-    """
-    sigma = np.asarray(sigma, dtype=np.float64)
-    spikes = sigma > tau
-    if spec.shrink == "hard":
-        return spikes.astype(np.float64)
-    if spec.shrink == "twoknob":
-        return np.where(spikes, spec.a, spec.b).astype(np.float64)
-    safe = np.where(sigma > 0, sigma, 1.0)
-    if spec.shrink == "soft":
-        return np.where(sigma > 0, np.maximum(sigma - tau, 0.0) / safe, 0.0)
-    # optimal
-    unit = math.sqrt(max(shape)) * noise * spec.scale
-    if unit <= 0:
-        return (sigma > 0).astype(np.float64)
-    beta = min(shape) / max(shape)
-    eta = optimal_frobenius_shrink(sigma / unit, beta) * unit
-    return np.where(sigma > 0, eta / safe, 0.0)
-
-
-def rounding_noise(rms_ft: float, ft_dtype: str) -> float:
-    """Per-entry std of the storage rounding of a tensor with this rms in this dtype."""
-    return ROUNDING_STD_FACTOR * UNIT_ROUNDOFF.get(ft_dtype, 2.0**-24) * rms_ft
-
-
-def filter_spectrum(
-    spectrum: Spectrum,
-    spec: ShrinkSpec,
-    *,
-    ft_dtype: str = "F32",
-    rms_ft: float | None = None,
-) -> Filtered:
-    """Threshold, weights and the per-matrix diagnostics the report carries."""
-    sigma = spectrum.sigma
-    shape = spectrum.shape
-    big, small = spectrum.big, spectrum.small
-    beta = spectrum.beta
-    tau, median_sv, noise = gd_threshold(sigma, shape, spec)
-    weights = shrink_weights(sigma, shape, tau, noise, spec)
-    total = float(np.sum(sigma**2))
-    kept_sv = weights * sigma
-    energy_kept = float(np.sum(kept_sv**2) / total) if total > 0 else 1.0
-    rank_kept = int(np.count_nonzero(kept_sv > 0))
-    spikes = int(np.count_nonzero(sigma > tau))
-
-    implied = noise_from_median(median_sv, shape)
-    edge = implied * (math.sqrt(big) + math.sqrt(small))
-    share_above_edge = float(np.count_nonzero(sigma > edge) / small) if small else 0.0
-    bulk = sigma[sigma <= tau]
-    ks = ks_distance(bulk**2 / (big * implied**2), beta) if implied > 0 and bulk.size >= 2 else None
-    stats: dict = {
-        "beta": beta,
-        "median_sv": median_sv,
-        "tau": tau,
-        "noise_level": noise,
-        "sigma_max": float(sigma[0]) if sigma.size else 0.0,
-        "rank_kept": rank_kept,
-        "spikes": spikes,
-        "numerical_rank": int(np.count_nonzero(sigma > 0)),
-        "energy_kept": energy_kept,
-        "mp_edge": edge,
-        "share_above_mp_edge": share_above_edge,
-        "ks_distance": ks,
-        "powerlaw_slope": powerlaw_slope(sigma),
-    }
-    if rms_ft is not None:
-        rho = rounding_noise(rms_ft, ft_dtype)
-        stats["rounding_ratio"] = implied / rho if rho > 0 else None
-        stats["low_rank"] = is_low_rank(sigma, shape, implied, rho)
-    return Filtered(weights=weights, tau=tau, stats=stats)
-
-
-def is_low_rank(sigma: np.ndarray, shape: tuple[int, int], implied_noise: float, rho: float) -> int | None:
-    """Rank ``r`` if Δ is an exact low-rank update over storage rounding (a merged LoRA), else None.
-
-    The bulk (the noise implied by the median) is at the storage-rounding level of the
-    fine-tune's dtype, and a few components stand far (10x) above that rounding bulk's edge:
-    the median is rounding noise and the unknown-noise threshold means nothing there.
-    """
-    if rho <= 0 or implied_noise > 2.0 * rho:
-        return None
-    big, small = max(shape), min(shape)
-    rounding_edge = rho * (math.sqrt(big) + math.sqrt(small))
-    r = int(np.count_nonzero(sigma > 10.0 * rounding_edge))
-    return r if 1 <= r <= small // 2 else None
-
-
-def powerlaw_slope(sigma: np.ndarray) -> float | None:
-    """Slope of log σ_i against log i over the top half of the spectrum (a bulk-free delta
-    falls off like a power law; a spiked Marchenko–Pastur spectrum is flat after the spikes)."""
-    half = sigma[: max(2, sigma.size // 2)]
-    half = half[half > 0]
-    if half.size < 3:
-        return None
-    x = np.log(np.arange(1, half.size + 1, dtype=np.float64))
-    y = np.log(half)
-    return float(np.polyfit(x, y, 1)[0])
 
 
 # -- applying the weights -------------------------------------------------------------
@@ -528,25 +272,3 @@ class Projector:
         if coeff is not None:
             out.addmm_(coeff, self.vs.T)
         return out
-
-
-def filter_dense(
-    delta: torch.Tensor,
-    spec: ShrinkSpec,
-    *,
-    ft_dtype: str = "F32",
-    rms_ft: float | None = None,
-    block_bytes: int = 64 * 1024 * 1024,
-) -> tuple[torch.Tensor, Filtered]:
-    """Filter an in-memory delta (any device); returns ``Δ*`` in float64 and the statistics."""
-    if delta.ndim != 2:
-        raise ValueError("filter_dense needs a 2-D tensor")
-    shape = (int(delta.shape[0]), int(delta.shape[1]))
-    x = delta.T if shape[0] < shape[1] else delta
-    rows = block_rows(x.shape[1], block_bytes)
-    g = gram_accumulate(tall_rows(x, rows), x.shape[1], delta.device)
-    spectrum = spectrum_from_gram(g, shape)
-    filt = filter_spectrum(spectrum, spec, ft_dtype=ft_dtype, rms_ft=rms_ft)
-    proj = Projector.from_weights(spectrum, filt.weights)
-    out = torch.cat([proj.apply(b.to(torch.float64)) for b in tall_rows(x, rows)], dim=0)
-    return (out.T if shape[0] < shape[1] else out), filt

@@ -27,18 +27,15 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
-from dghard_cli.methods.recipe import read_yaml_file
+from dghard_cli.methods import registry
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
 
-MAX_CANDIDATES_BYTES = 1024 * 1024
-DEFAULT_CANDIDATES = "sweep-default.yaml"
 #: Probes found by refinement are rounded to this many significant digits (short commands;
 #: a probe that rounds onto an evaluated value ends that family's refinement).
 SIGNIFICANT_DIGITS = 4
@@ -62,104 +59,52 @@ class FamilyKind:
 
 _SCALE_RANGE = (0.25, 16.0)
 _REPAIR_FIXED = ("noise", "sigma")
+
+
+def _repair_kind(
+    name: str,
+    axes: tuple[str, ...] = ("scale",),
+    fixed: tuple[str, ...] = _REPAIR_FIXED,
+    ranges: dict[str, tuple[float, float]] | None = None,
+) -> FamilyKind:
+    """A repair shrinker's family: one fine-tune, the threshold scale refined in log coordinates."""
+    return FamilyKind(
+        name, "repair", axes, fixed, ranges or {"scale": _SCALE_RANGE}, frozenset({"scale"}), "one", "one"
+    )
+
+
 KINDS: dict[str, FamilyKind] = {
     k.name: k
     for k in (
-        FamilyKind(
-            "hard",
-            "repair",
-            ("scale",),
-            _REPAIR_FIXED,
-            {"scale": _SCALE_RANGE},
-            frozenset({"scale"}),
-            "one",
-            "one",
-        ),
-        FamilyKind(
-            "soft",
-            "repair",
-            ("scale",),
-            _REPAIR_FIXED,
-            {"scale": (0.05, 8.0)},
-            frozenset({"scale"}),
-            "one",
-            "one",
-        ),
-        FamilyKind(
-            "optimal",
-            "repair",
-            ("scale",),
-            _REPAIR_FIXED,
-            {"scale": _SCALE_RANGE},
-            frozenset({"scale"}),
-            "one",
-            "one",
-        ),
-        FamilyKind(
+        _repair_kind("hard"),
+        _repair_kind("soft", ranges={"scale": (0.05, 8.0)}),
+        _repair_kind("optimal"),
+        _repair_kind(
             "twoknob",
-            "repair",
             ("b", "a", "scale"),
             ("a", "b", "scale", *_REPAIR_FIXED),
             {"a": (0.0, 1.0), "b": (0.0, 1.0), "scale": _SCALE_RANGE},
-            frozenset({"scale"}),
-            "one",
-            "one",
-        ),
-        FamilyKind("wise-ft", "merge", ("alpha",), (), {"alpha": (0.0, 1.0)}, frozenset(), "one", "one"),
-        FamilyKind(
-            "task-arithmetic",
-            "merge",
-            ("lambda",),
-            ("weights",),
-            {"lambda": (0.0, 2.0)},
-            frozenset(),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "ties",
-            "merge",
-            ("density", "lambda"),
-            ("weights", "density", "lambda"),
-            {"density": (0.01, 1.0), "lambda": (0.0, 2.0)},
-            frozenset({"density"}),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "dare-linear",
-            "merge",
-            ("density", "lambda"),
-            ("weights", "density", "lambda", "seed"),
-            {"density": (0.01, 1.0), "lambda": (0.0, 2.0)},
-            frozenset({"density"}),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "dare-ties",
-            "merge",
-            ("density", "lambda"),
-            ("weights", "density", "lambda", "seed"),
-            {"density": (0.01, 1.0), "lambda": (0.0, 2.0)},
-            frozenset({"density"}),
-            "any",
-            "several",
-        ),
-        FamilyKind(
-            "dg-hard",
-            "merge",
-            ("scale", "lambda"),
-            ("weights", "scale", "lambda"),
-            {"scale": _SCALE_RANGE, "lambda": (0.0, 2.0)},
-            frozenset({"scale"}),
-            "any",
-            "several",
         ),
     )
 }
 
-ENTRY_KEYS = ("family", "axis", "grid", "range", "log", "tolerance", "refine", "fixed", "fine_tunes")
+
+def _merge_kind(m: registry.MergeMethod) -> FamilyKind:
+    """A merge method's sweep family, from its declaration in the registry."""
+    par = registry.params()
+    return FamilyKind(
+        m.name,
+        "merge",
+        m.sweep_axes,
+        m.sweep_fixed,
+        {a: par[a].sweep_range for a in m.sweep_axes},  # type: ignore[misc]
+        frozenset(a for a in m.sweep_axes if par[a].sweep_log),
+        m.fine_tunes,
+        "one" if m.fine_tunes == "one" else "several",
+    )
+
+
+KINDS.update({m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes})
 
 
 @dataclass
@@ -260,137 +205,6 @@ def round_sig(x: float, digits: int = SIGNIFICANT_DIGITS) -> float:
     return float(f"{x:.{digits}g}")
 
 
-# -- reading the candidate file ----------------------------------------------------------------
-
-
-def _num(v: object) -> bool:
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
-
-
-def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
-    """Validate one entry of ``families``; InputError naming the file and entry otherwise."""
-    at = f"{where}: families[{index}]"
-    if not isinstance(raw, dict):
-        raise InputError(f"{at}: expected a mapping with 'family' and 'grid', got {type(raw).__name__}")
-    fam = raw.get("family")
-    if not isinstance(fam, str) or fam.strip().lower() not in KINDS and fam.strip().lower() != "dare":
-        raise InputError(f"{at}: 'family' must be one of {', '.join(KINDS)}, got {fam!r}")
-    fam = fam.strip().lower()
-    fam = "dare-linear" if fam == "dare" else fam
-    at = f"{at} ({fam})"
-    for key in raw:
-        if key not in ENTRY_KEYS:
-            raise InputError(f"{at}: unknown key {key!r} (known keys: {', '.join(ENTRY_KEYS)})")
-    kind = KINDS[fam]
-    axis = raw.get("axis", kind.axes[0])
-    if axis not in kind.axes:
-        raise InputError(f"{at}: axis {axis!r} cannot be swept for {fam} (axes: {', '.join(kind.axes)})")
-    grid = raw.get("grid")
-    if isinstance(grid, (int, float)) and not isinstance(grid, bool):
-        grid = [grid]
-    if not isinstance(grid, list) or not grid or not all(_num(g) for g in grid):
-        raise InputError(f"{at}: 'grid' must be a non-empty list of numbers (values of {axis})")
-    grid = [float(g) for g in grid]
-    rng = raw.get("range", kind.ranges[axis])
-    if (
-        not isinstance(rng, (list, tuple))
-        or len(rng) != 2
-        or not all(_num(x) for x in rng)
-        or not float(rng[0]) < float(rng[1])
-    ):
-        raise InputError(f"{at}: 'range' must be [low, high] with low < high, got {rng!r}")
-    rng = (float(rng[0]), float(rng[1]))
-    log = raw.get("log", axis in kind.log_axes)
-    if not isinstance(log, bool):
-        raise InputError(f"{at}: 'log' must be true or false")
-    if log and rng[0] <= 0:
-        raise InputError(f"{at}: a log axis needs range low > 0, got {rng[0]:g} (set log: false)")
-    for g in grid:
-        if not rng[0] <= g <= rng[1]:
-            raise InputError(f"{at}: grid value {g:g} lies outside range [{rng[0]:g}, {rng[1]:g}]")
-    tol = raw.get("tolerance", DEFAULT_TOLERANCE)
-    if not _num(tol) or not 0 < float(tol) <= 1:
-        raise InputError(f"{at}: 'tolerance' must be a number in (0, 1] (share of the range)")
-    refine = raw.get("refine", True)
-    if not isinstance(refine, bool):
-        raise InputError(f"{at}: 'refine' must be true or false")
-    fixed = raw.get("fixed", {}) or {}
-    if not isinstance(fixed, dict):
-        raise InputError(f"{at}: 'fixed' must be a mapping of parameter: value")
-    for key in fixed:
-        if key not in kind.fixed:
-            allowed = ", ".join(kind.fixed) or "none"
-            raise InputError(f"{at}: parameter {key!r} cannot be fixed for {fam} (allowed: {allowed})")
-        if key == axis:
-            raise InputError(f"{at}: {key!r} is the swept axis and cannot also be fixed")
-        val = fixed[key]
-        ok = (
-            isinstance(val, str)
-            if key == "noise"
-            else isinstance(val, list) and bool(val) and all(_num(w) for w in val)
-            if key == "weights"
-            else isinstance(val, int) and not isinstance(val, bool)
-            if key == "seed"
-            else _num(val)
-        )
-        if not ok:
-            want = {"noise": "median or known", "weights": "a list of numbers", "seed": "an integer"}
-            raise InputError(f"{at}: fixed {key} must be {want.get(key, 'a number')}, got {val!r}")
-    when = raw.get("fine_tunes")
-    if when is not None:
-        if when not in ("one", "several", "any"):
-            raise InputError(f"{at}: 'fine_tunes' must be one, several or any, got {when!r}")
-        if kind.fine_tunes == "one" and when != "one":
-            raise InputError(f"{at}: {fam} takes exactly one fine-tune (fine_tunes: one)")
-    entry = FamilyEntry(
-        family=fam,
-        grid=grid,
-        axis=axis,
-        range=rng,
-        log=log,
-        tolerance=float(tol),
-        refine=refine,
-        fixed=dict(fixed),
-        fine_tunes=when,
-        index=index,
-    )
-    if kind.command == "repair" or kind.fine_tunes == "one":
-        check_entry(entry, 1, at)  # merge entries are checked once the fine-tunes are known
-    return entry
-
-
-def check_entry(entry: FamilyEntry, n_fts: int, where: str) -> None:
-    """Every parameter of the candidates this entry may produce (grid and range ends)."""
-    for v in (*entry.grid, entry.lo, entry.hi):
-        make_candidate(entry, v, n_fts=n_fts, where=where)
-
-
-def parse_candidates(doc: object, where: str) -> list[FamilyEntry]:
-    if not isinstance(doc, dict) or "families" not in doc:
-        raise InputError(f"{where}: expected a mapping with a 'families' list")
-    unknown = [k for k in doc if k != "families"]
-    if unknown:
-        raise InputError(f"{where}: unknown top-level key {unknown[0]!r} (known: families)")
-    fams = doc["families"]
-    if not isinstance(fams, list) or not fams:
-        raise InputError(f"{where}: 'families' must be a non-empty list")
-    return [parse_entry(raw, i, where) for i, raw in enumerate(fams)]
-
-
-def load_candidates(path: str | Path | None) -> tuple[list[FamilyEntry], str]:
-    """The entries of a candidate file (None: the built-in default set) and its name."""
-    import yaml
-
-    if path is None:
-        text = resources.files("dghard_cli").joinpath("data", DEFAULT_CANDIDATES).read_text(encoding="utf-8")
-        where = f"built-in {DEFAULT_CANDIDATES}"
-        doc = yaml.safe_load(text)
-    else:
-        where = f"--candidates {path}"
-        doc = read_yaml_file(Path(path).expanduser(), where, MAX_CANDIDATES_BYTES)
-    return parse_candidates(doc, where), where
-
-
 # -- candidates -------------------------------------------------------------------------------
 
 
@@ -400,6 +214,11 @@ def make_candidate(entry: FamilyEntry, value: float, *, n_fts: int, where: str =
         return _make_candidate(entry, value, n_fts)
     except InputError as exc:
         raise InputError(f"{where}: {exc}") from None
+
+
+def is_number(v: object) -> bool:
+    """A finite int or float (not a bool)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
 
 
 def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
@@ -424,23 +243,14 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
             p["a"], p["b"] = spec.a, spec.b
     else:
         weights = vals.get("weights")
-        if weights is not None and (not isinstance(weights, list) or not all(_num(w) for w in weights)):
+        if weights is not None and (not isinstance(weights, list) or not all(is_number(w) for w in weights)):
             raise InputError("'weights' must be a list of numbers")
-        opts = MergeOptions(
-            method=entry.family,
-            alpha=vals.get("alpha"),
-            weights=None if weights is None else [float(w) for w in weights],
-            lam=vals.get("lambda"),
-            density=vals.get("density"),
-            seed=vals.get("seed"),
-            scale=vals.get("scale"),
-        )
-        p = resolve_parameters(opts, n_fts)
-        p = {
-            k: v
-            for k, v in p.items()
-            if k in ("method", "alpha", "weights", "lambda", "density", "seed", "scale")
-        }
+        given = {q.name: vals.get(q.name) for q in registry.scalar_params()}
+        given["weights"] = None if weights is None else [float(w) for w in weights]
+        kwargs, extra = registry.options_values(given)
+        p = resolve_parameters(MergeOptions(method=entry.family, extra=extra, **kwargs), n_fts)
+        carried = {"method", *(q.name for q in registry.scalar_params())}
+        p = {k: v for k, v in p.items() if k in carried}
     params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in p.items()))
     return Candidate(
         entry=entry.index, family=entry.family, command=kind.command, axis=axis, value=value, params=params
@@ -459,16 +269,9 @@ def reproduce_argv(cand: Candidate, base: str, fts: list[str], out: str, device:
             argv += ["--noise", "known", "--sigma", _fmt(p["sigma"])]
         return argv + dev
     argv = ["dghard", "merge", "--method", p["method"]]
-    for key, flag in (
-        ("alpha", "--alpha"),
-        ("weights", "--weights"),
-        ("lambda", "--lambda"),
-        ("density", "--density"),
-        ("seed", "--seed"),
-        ("scale", "--scale"),
-    ):
-        if key in p:
-            argv += [flag, _fmt(p[key])]
+    for q in registry.scalar_params():
+        if q.name in p:
+            argv += [q.cli_flag, _fmt(p[q.name])]
     return argv + [base, *fts, "--out", out] + dev
 
 
@@ -477,11 +280,22 @@ def shell_command(argv: list[str]) -> str:
 
 
 def write_candidate(
-    cand: Candidate, base: str, fts: list[str], out: Path, *, device: str, argv: list[str]
+    cand: Candidate,
+    base: str,
+    fts: list[str],
+    out: Path,
+    *,
+    device: str,
+    argv: list[str],
+    report_out: str | None = None,
 ) -> dict:
-    """Write ``cand`` into ``out`` with the command's own library function; returns its report."""
+    """Write ``cand`` into ``out`` with the command's own library function; returns its report.
+
+    ``report_out``: the output path its report names (the sweep's OUT, where the winner is
+    moved); None: ``out``.
+    """
     p = cand.param_dict
-    run = RunOptions(device=device, quiet=True, argv=argv)
+    run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
     if cand.command == "repair":
         spec = ShrinkSpec(
             shrink=p["shrink"],
@@ -492,14 +306,5 @@ def write_candidate(
             b=p.get("b", 0.0),
         )
         return repair(base, fts[0], out, RepairOptions(spec=spec, run=run))
-    opts = MergeOptions(
-        method=p["method"],
-        alpha=p.get("alpha"),
-        weights=p.get("weights"),
-        lam=p.get("lambda"),
-        density=p.get("density"),
-        seed=p.get("seed"),
-        scale=p.get("scale"),
-        run=run,
-    )
-    return merge(base, fts, out, opts)
+    kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
+    return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, **kwargs))

@@ -43,7 +43,7 @@ def check_template(template: str) -> None:
         )
 
 
-def render(template: str, model: Path, output: Path) -> str:
+def fill_template(template: str, model: Path, output: Path) -> str:
     """The shell command: placeholders replaced by shell-quoted absolute paths."""
     return template.replace("{model}", shlex.quote(str(model))).replace("{output}", shlex.quote(str(output)))
 
@@ -98,7 +98,7 @@ def run_command(
     """Run the evaluation of ``model``; ``logs`` is a directory for its stdout and stderr."""
     logs.mkdir(parents=True, exist_ok=True)
     out_log, err_log = logs / "stdout.log", logs / "stderr.log"
-    cmd = render(template, model, output)
+    cmd = fill_template(template, model, output)
     env = dict(os.environ)
     env.update({"DGHARD_MODEL": str(model), "DGHARD_OUTPUT": str(output), "DGHARD_CANDIDATE": label})
     t0 = time.perf_counter()
@@ -140,7 +140,7 @@ def run_command(
 
 def locate_results(output: Path, stdout: Path, *, uses_output: bool) -> Path:
     """The results file the command produced; InputError (the candidate is unreadable) if none."""
-    from dghard_cli.score.scoring import find_results_file
+    from dghard_cli.score.results import find_results_file
 
     if output.is_file():
         return output

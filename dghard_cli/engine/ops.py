@@ -1,0 +1,140 @@
+"""The engine's API for per-tensor operations: what a method may use, and nothing more.
+
+A method (``dghard_cli.methods``) is a :data:`TensorOp`: it gets a job (one output tensor of
+the plan), its :class:`JobInputs` (the inputs, prefetched or read in row blocks on demand) and a
+record to fill, and yields the output's blocks in order. The helpers here are the ones every
+operation needs: :func:`passthrough` (an input's value, checked finite), :func:`cast_out`
+(to the output dtype), :func:`row_ranges` and :func:`base_record`. The streaming engine
+(:mod:`dghard_cli.engine.pipeline`) drives the operations; methods never import it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import torch
+
+from dghard_cli.engine.plan import TensorJob
+from dghard_cli.errors import InputError
+from dghard_cli.io.checkpoint import TensorInfo
+from dghard_cli.io.safetensors_format import FLOAT_DTYPES, torch_dtype
+
+
+class JobInputs:
+    """A job's inputs: whole tensors (prefetched, or read now) or row blocks read on demand."""
+
+    def __init__(
+        self,
+        job: TensorJob,
+        raw: dict[str, torch.Tensor] | None,
+        *,
+        allow_nonfinite: bool = False,
+        pin: bool = False,
+    ) -> None:
+        self.job = job
+        self._raw = raw or {}
+        self.pin = pin  # read on demand into page-locked memory (CUDA)
+        #: NaN/Inf in an input: pass the fine-tune's value through (reported) instead of failing.
+        self.allow_nonfinite = allow_nonfinite
+
+    def _get(self, key: str, info: TensorInfo, rows: tuple[int, int] | None) -> torch.Tensor:
+        raw = self._raw.get(key)
+        if raw is not None:
+            t = info.decode(raw)
+            return t if rows is None else t[rows[0] : rows[1]]
+        return info.read(rows, pin=self.pin)
+
+    def base(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        assert self.job.base is not None
+        return self._get("base", self.job.base, rows)
+
+    def ft(self, i: int = 0, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        return self._get(f"ft{i}", self.job.fts[i], rows)
+
+    def info(self, key: str) -> TensorInfo:
+        info = self.job.base if key == "base" else self.job.fts[int(key[2:])]
+        assert info is not None
+        return info
+
+    def raw(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
+        """Raw bytes of ``base`` or ``ft{i}`` (or of rows of it), read now if not prefetched."""
+        info = self.info(key)
+        raw = self._raw.get(key)
+        if raw is None:
+            return info.read_raw(rows, pin=self.pin)
+        if rows is None:
+            return raw
+        return raw[rows[0] * info.row_bytes : rows[1] * info.row_bytes]
+
+
+#: A per-tensor operation: yields the output's bytes in order (tensors in the output dtype,
+#: whole or in row blocks), and fills ``record`` with its statistics.
+TensorOp = Callable[[TensorJob, JobInputs, dict], Iterator[torch.Tensor]]
+
+
+def base_record(job: TensorJob) -> dict:
+    rec: dict = {
+        "name": job.name,
+        "shape": list(job.shape),
+        "dtype": job.out_dtype,
+        "input_dtype": job.fts[0].dtype if job.fts else (job.base.dtype if job.base else None),
+        "action": job.action,
+        "shard": job.shard,
+    }
+    if job.reason:
+        rec["reason"] = job.reason
+    if job.tied_to:
+        rec["tied_to"] = job.tied_to
+    if job.shared_rows is not None:
+        rec["shared_rows"] = job.shared_rows
+        rec["base_rows"] = job.base.shape[0] if job.base else None
+    return rec
+
+
+def cast_out(t: torch.Tensor, out_dtype: str) -> torch.Tensor:
+    target = torch_dtype(out_dtype)
+    return t if t.dtype == target else t.to(target)
+
+
+def row_ranges(info: TensorInfo, chunk_bytes: int) -> list[tuple[int, int] | None]:
+    """Row ranges that split a tensor into pieces of about ``chunk_bytes`` (None: whole)."""
+    if not info.shape or info.nbytes <= chunk_bytes or info.shape[0] <= 1:
+        return [None]
+    step = max(1, chunk_bytes // max(1, info.row_bytes))
+    return [(r0, min(r0 + step, info.shape[0])) for r0 in range(0, info.shape[0], step)]
+
+
+def passthrough(
+    job: TensorJob, src: JobInputs, rec: dict, key: str = "ft0", chunk_bytes: int = 64 * 1024 * 1024
+) -> Iterator[torch.Tensor]:
+    """The input's value (bit-identical when the dtype is unchanged), in row chunks.
+
+    On the way: non-finite values are refused (naming the tensor), and ‖FT − BASE‖_F is
+    recorded when BASE has the same shape.
+    """
+    info = src.info(key)
+    is_float = info.dtype in FLOAT_DTYPES
+    base = job.base if key != "base" else None
+    comparable = base is not None and base.shape == info.shape and is_float and base.dtype in FLOAT_DTYPES
+    sumsq = 0.0
+    for rows in row_ranges(info, chunk_bytes):
+        raw = src.raw(key, rows)
+        if is_float:
+            t = info.decode(raw, rows)
+            if not bool(torch.isfinite(t).all()):
+                if not src.allow_nonfinite:
+                    which = "BASE" if key == "base" else "the fine-tune"
+                    raise InputError(
+                        f"tensor {job.name!r} in {which} ({info.file}) contains NaN or Inf; fix the "
+                        "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
+                    )
+                rec["nonfinite"] = True
+                comparable = False
+            if comparable:
+                d = t.to(torch.float64) - src.base(rows).to(torch.float64)
+                sumsq += float(torch.sum(d * d))
+            yield raw if info.dtype == job.out_dtype else cast_out(t, job.out_dtype)
+        else:
+            yield raw
+    if comparable and not rec.get("nonfinite"):
+        rec["delta_norm"] = sumsq**0.5

@@ -1,0 +1,69 @@
+"""Atomic writes and directory swaps: a reader sees the old file (or directory) or the new one,
+never a half-written one.
+
+Every file that is replaced in place (reports, journals, caches) is written next to its target
+as ``NAME.tmp`` and renamed over it; an output directory is moved into place by
+:func:`swap_dir_into_place`, which keeps the previous OUT aside until the rename succeeded.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+from dghard_cli.errors import InputError
+
+
+def _tmp(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def write_text_atomic(path: Path, text: str, *, fsync: bool = False) -> Path:
+    """Write ``text`` (UTF-8) to ``path`` through ``path.tmp`` and a rename."""
+    path = Path(path)
+    tmp = _tmp(path)
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        if fsync:
+            fh.flush()
+            os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def write_json_atomic(path: Path, doc: object, **dumps) -> Path:
+    """``json.dumps(doc, indent=2, **dumps)`` and a newline, written atomically."""
+    return write_text_atomic(path, json.dumps(doc, indent=2, **dumps) + "\n")
+
+
+def copy_file_atomic(source: Path, target: Path) -> Path:
+    tmp = _tmp(Path(target))
+    shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+    return Path(target)
+
+
+def swap_dir_into_place(source: Path, out: Path, *, overwrite: bool, during: str) -> Path:
+    """Rename the finished directory ``source`` to ``out``.
+
+    An empty ``out`` is replaced; a non-empty one only with ``overwrite`` (InputError naming
+    ``during``, e.g. "running", otherwise): it is renamed to ``.OUT.dghard-old`` first and
+    removed once the new one is in place.
+    """
+    backup = None
+    if out.exists():
+        if any(out.iterdir()):
+            if not overwrite:
+                raise InputError(f"output {out} appeared while {during}; pass --overwrite")
+            backup = out.parent / f".{out.name}.dghard-old"
+            if backup.exists():
+                shutil.rmtree(backup)
+            os.replace(out, backup)
+        else:
+            out.rmdir()
+    os.replace(source, out)
+    if backup is not None:
+        shutil.rmtree(backup, ignore_errors=True)
+    return out

@@ -1,0 +1,343 @@
+"""A PEFT LoRA adapter's ``adapter_config.json``: read, every key checked (type, range, a
+valid regex), with one-line errors naming the file and key."""
+
+from __future__ import annotations
+
+import difflib
+import math
+import re
+from dataclasses import dataclass, field
+
+from dghard_cli.audit.findings import Finding, finding
+from dghard_cli.errors import InputError
+from dghard_cli.io.lora_targets import pattern_key
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+#: Largest rank accepted in a config (larger is refused as absurd: no layer is that wide).
+MAX_RANK = 65536
+
+
+MAX_CONFIG_BYTES = 4 * 1024 * 1024
+
+
+PICKLE_HINT = (
+    'convert it to safetensors first, e.g. `python -c "import torch; from safetensors.torch import '
+    "save_file; sd = torch.load('DIR/adapter_model.bin', weights_only=True); "
+    "save_file({k: v.contiguous() for k, v in sd.items()}, 'DIR/adapter_model.safetensors')\"` "
+    "(weights_only=True refuses code; PeftModel.save_pretrained(DIR, safe_serialization=True) also works)"
+)
+
+
+#: Keys of PEFT's LoraConfig and PeftConfig across releases (unknown keys are reported, not refused).
+KNOWN_KEYS = frozenset(
+    {
+        "peft_type",
+        "task_type",
+        "inference_mode",
+        "base_model_name_or_path",
+        "revision",
+        "auto_mapping",
+        "peft_version",
+        "r",
+        "target_modules",
+        "exclude_modules",
+        "lora_alpha",
+        "lora_dropout",
+        "fan_in_fan_out",
+        "bias",
+        "use_rslora",
+        "modules_to_save",
+        "init_lora_weights",
+        "layers_to_transform",
+        "layers_pattern",
+        "rank_pattern",
+        "alpha_pattern",
+        "megatron_config",
+        "megatron_core",
+        "trainable_token_indices",
+        "loftq_config",
+        "eva_config",
+        "corda_config",
+        "lora_ga_config",
+        "monteclora_config",
+        "velora_config",
+        "arrow_config",
+        "use_dora",
+        "use_qalora",
+        "qalora_group_size",
+        "use_bdlora",
+        "layer_replication",
+        "runtime_config",
+        "lora_bias",
+        "target_parameters",
+        "alora_invocation_tokens",
+        "ensure_weight_tying",
+    }
+)
+
+
+# -- config ---------------------------------------------------------------------------------------
+@dataclass
+class LoraConfig:
+    """The parts of ``adapter_config.json`` that decide what the weights mean."""
+
+    r: int = 8
+    lora_alpha: float | None = 8.0  # None when the value is invalid (then scaling is unknown)
+    use_rslora: bool = False
+    use_dora: bool = False
+    fan_in_fan_out: bool = False
+    lora_bias: bool = False
+    bias: str = "none"
+    target_modules: str | list[str] | None = None
+    exclude_modules: str | list[str] | None = None
+    layers_to_transform: list[int] | None = None
+    layers_pattern: list[str] | None = None
+    rank_pattern: dict[str, int] = field(default_factory=dict)
+    alpha_pattern: dict[str, float] = field(default_factory=dict)
+    modules_to_save: list[str] = field(default_factory=list)
+    base_model_name_or_path: str | None = None
+    revision: str | None = None
+    peft_type: str | None = "LORA"
+
+    def rank_for(self, module: str) -> int:
+        key = pattern_key(self.rank_pattern, module)
+        return self.rank_pattern[key] if key is not None else self.r
+
+    def alpha_for(self, module: str) -> float | None:
+        key = pattern_key(self.alpha_pattern, module)
+        return self.alpha_pattern[key] if key is not None else self.lora_alpha
+
+    def scaling_for(self, module: str) -> float | None:
+        """PEFT's scaling of ``B·A`` for this module: α/r, or α/√r under ``use_rslora``."""
+        alpha = self.alpha_for(module)
+        if alpha is None:
+            return None
+        r = self.rank_for(module)
+        return alpha / math.sqrt(r) if self.use_rslora else alpha / r
+
+    def summary(self) -> dict:
+        return {
+            "r": self.r,
+            "lora_alpha": self.lora_alpha,
+            "use_rslora": self.use_rslora,
+            "use_dora": self.use_dora,
+            "fan_in_fan_out": self.fan_in_fan_out,
+            "lora_bias": self.lora_bias,
+            "bias": self.bias,
+            "target_modules": self.target_modules,
+            "exclude_modules": self.exclude_modules,
+            "layers_to_transform": self.layers_to_transform,
+            "rank_pattern": self.rank_pattern,
+            "alpha_pattern": self.alpha_pattern,
+            "modules_to_save": self.modules_to_save,
+            "base_model_name_or_path": self.base_model_name_or_path,
+            "revision": self.revision,
+        }
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _check_rank(value: object, what: str, where: str) -> int:
+    if not _is_int(value) or not 1 <= value <= MAX_RANK:
+        raise InputError(
+            f"{where}: {what} = {value!r} is not a LoRA rank (a whole number from 1 to {MAX_RANK}); "
+            "fix the config or re-save the adapter with PEFT"
+        )
+    return value
+
+
+def _valid_regex(pattern: str) -> str | None:
+    try:
+        re.compile(pattern)
+    except re.error as exc:
+        return str(exc)
+    return None
+
+
+def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
+    """Validate ``adapter_config.json``; absurd values raise InputError, the rest are findings."""
+    if not isinstance(raw, dict):
+        raise InputError(f"{where}: adapter_config.json is not a JSON object")
+    cfg = LoraConfig()
+    out: list[Finding] = []
+
+    def invalid(key: str, message: str) -> None:
+        out.append(finding("CONFIG_INVALID", None, message, key=key, value=_jsonable(raw.get(key))))
+
+    peft_type = raw.get("peft_type")
+    if peft_type is None:
+        invalid(
+            "peft_type",
+            'adapter_config.json has no peft_type; PEFT cannot load it — add "peft_type": "LORA".',
+        )
+    elif not isinstance(peft_type, str):
+        invalid("peft_type", f'peft_type {peft_type!r} is not a string; set it to "LORA".')
+    elif peft_type.upper() != "LORA":
+        raise InputError(
+            f'{where}: peft_type is {peft_type!r}; audit-lora audits LoRA and DoRA adapters (peft_type "LORA")'
+        )
+
+    if "r" in raw and raw["r"] is not None:
+        cfg.r = _check_rank(raw["r"], "r", where)
+
+    alpha = raw.get("lora_alpha", 8)
+    if not _is_number(alpha):
+        cfg.lora_alpha = None
+        invalid(
+            "lora_alpha",
+            f"lora_alpha {alpha!r} is not a finite number, so PEFT's scaling α/r is undefined; set it "
+            "to the value used in training (norms below are computed with scaling 1).",
+        )
+    elif alpha == 0:
+        cfg.lora_alpha = 0.0
+        invalid("lora_alpha", "lora_alpha is 0, so every update is multiplied by 0; set the trained value.")
+    else:
+        cfg.lora_alpha = float(alpha)
+
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out", "lora_bias", "inference_mode"):
+        v = raw.get(key)
+        if v is None:
+            continue
+        if not isinstance(v, bool):
+            invalid(
+                key, f"{key} is {v!r}; it must be true or false (PEFT reads any non-empty value as true)."
+            )
+            v = bool(v)
+        if hasattr(cfg, key):
+            setattr(cfg, key, v)
+
+    bias = raw.get("bias", "none")
+    if bias is None:
+        bias = "none"
+    if bias not in ("none", "all", "lora_only"):
+        invalid("bias", f'bias is {bias!r}; PEFT accepts "none", "all" or "lora_only".')
+    else:
+        cfg.bias = bias
+
+    dropout = raw.get("lora_dropout", 0.0)
+    if dropout is not None and (not _is_number(dropout) or not 0 <= dropout < 1):
+        invalid("lora_dropout", f"lora_dropout is {dropout!r}; it must be a number in [0, 1).")
+
+    for key in ("target_modules", "exclude_modules"):
+        v = raw.get(key)
+        if v is None:
+            continue
+        if isinstance(v, str):
+            err = _valid_regex(v)
+            if err:
+                invalid(key, f"{key} {v!r} is not a valid regular expression ({err}); PEFT fails to load it.")
+                continue
+            setattr(cfg, key, v)
+        elif isinstance(v, list) and all(isinstance(t, str) for t in v):
+            setattr(cfg, key, list(v))
+        else:
+            invalid(key, f"{key} must be a list of module names or one regular expression, not {v!r}.")
+
+    ltt = raw.get("layers_to_transform")
+    if ltt is not None:
+        if _is_int(ltt):
+            cfg.layers_to_transform = [ltt]
+        elif isinstance(ltt, list) and all(_is_int(i) for i in ltt):
+            cfg.layers_to_transform = list(ltt) or None
+        else:
+            invalid(
+                "layers_to_transform",
+                f"layers_to_transform must be a layer index or a list of them, not {ltt!r}.",
+            )
+        if cfg.layers_to_transform is not None and isinstance(cfg.target_modules, str):
+            invalid(
+                "layers_to_transform",
+                "layers_to_transform cannot be combined with a regex target_modules; PEFT refuses this config.",
+            )
+    lp = raw.get("layers_pattern")
+    if lp is not None:
+        if isinstance(lp, str):
+            cfg.layers_pattern = [lp]
+        elif isinstance(lp, list) and all(isinstance(p, str) for p in lp):
+            cfg.layers_pattern = list(lp) or None
+        else:
+            invalid("layers_pattern", f"layers_pattern must be a name or a list of names, not {lp!r}.")
+
+    for key, is_rank in (("rank_pattern", True), ("alpha_pattern", False)):
+        v = raw.get(key)
+        if v is None or v == {}:
+            continue
+        if not isinstance(v, dict):
+            invalid(key, f"{key} must map module-name patterns to values, not {v!r}.")
+            continue
+        table: dict = {}
+        for pat, val in v.items():
+            err = _valid_regex(pat)
+            if err:
+                invalid(
+                    key, f"{key} key {pat!r} is not a valid regular expression ({err}); PEFT fails on it."
+                )
+                continue
+            if is_rank:
+                table[pat] = _check_rank(val, f"rank_pattern[{pat!r}]", where)
+            elif not _is_number(val):
+                invalid(key, f"alpha_pattern[{pat!r}] = {val!r} is not a finite number.")
+            else:
+                table[pat] = float(val)
+        setattr(cfg, key, table)
+
+    mts = raw.get("modules_to_save")
+    if mts is not None:
+        if isinstance(mts, list) and all(isinstance(m, str) for m in mts):
+            cfg.modules_to_save = list(mts)
+        else:
+            invalid("modules_to_save", f"modules_to_save must be a list of module names, not {mts!r}.")
+
+    for key in ("base_model_name_or_path", "revision"):
+        v = raw.get(key)
+        if v is None or v == "":
+            continue
+        if isinstance(v, str):
+            setattr(cfg, key, v)
+        else:
+            invalid(key, f"{key} must be a string, not {v!r}.")
+
+    known = sorted(KNOWN_KEYS)
+    for key in raw:
+        if key in KNOWN_KEYS:
+            continue
+        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
+        if close:
+            out.append(
+                finding(
+                    "CONFIG_KEY_TYPO",
+                    None,
+                    f"config key {key!r} is unknown and PEFT ignores it; did you mean {close[0]!r}?",
+                    key=key,
+                    suggestion=close[0],
+                )
+            )
+        else:
+            out.append(
+                finding(
+                    "CONFIG_UNKNOWN_KEY",
+                    None,
+                    f"config key {key!r} is not a LoRA setting known to this audit; PEFT releases "
+                    "that do not know it either ignore it or refuse the config.",
+                    key=key,
+                )
+            )
+    return cfg, out
+
+
+def _jsonable(v: object) -> object:
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if math.isfinite(v) else str(v)
+    if isinstance(v, (list, dict)):
+        return v
+    return repr(v)

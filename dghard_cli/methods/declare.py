@@ -1,0 +1,119 @@
+"""How a merge method and its parameters are declared (see :mod:`dghard_cli.methods.registry`):
+:class:`Param`, :class:`MergeMethod`, the value kinds, the shared checks, and :data:`COMMON`,
+the parameters every method takes."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from dghard_cli.errors import InputError
+
+#: Kinds of parameter values (also the type named in a recipe's error messages).
+NUMBER, INT, WEIGHTS, PATH, MAPPING = "number", "integer", "weights", "path", "mapping"
+
+
+@dataclass(frozen=True)
+class SubOption:
+    """One key of a mapping parameter (``recall:`` in a recipe, ``--recall-KEY`` on the CLI)."""
+
+    name: str
+    kind: str  # "number" | "integer" | "string"
+    help: str
+
+
+@dataclass(frozen=True)
+class Param:
+    """One merge parameter, as every surface sees it."""
+
+    name: str  # report ``parameters`` key, recipe key, sweep axis/fixed key
+    kind: str  # NUMBER | INT | WEIGHTS | PATH | MAPPING
+    help: str  # command-line help text
+    default: Any = None  # the value when not given, or {method: value}
+    check: Callable[[Any, MergeMethod, int], Any] | None = None  # validate (InputError) and normalise
+    flag: str | None = None  # command-line flag (None: --NAME)
+    attr: str | None = None  # MergeOptions field (None: MergeOptions.extra[NAME])
+    recipe: bool = True  # a top-level recipe key (weights come from ``models:`` instead)
+    describe: Callable[[Any], dict] | None = None  # report entries (None: {NAME: value})
+    sweep_range: tuple[float, float] | None = None  # default refinement range as a sweep axis
+    sweep_log: bool = False  # refined in log coordinates by default
+    sub: tuple[SubOption, ...] = ()  # the keys of a MAPPING parameter
+    build: Callable[[dict], Any] | None = None  # a MAPPING parameter's value from its keys
+
+    @property
+    def cli_flag(self) -> str:
+        return self.flag or f"--{self.name}"
+
+    @property
+    def label(self) -> str:
+        """How messages name the parameter (a mapping: all its flags)."""
+        return f"--{self.name}-*" if self.kind == MAPPING else self.cli_flag
+
+    @property
+    def listed(self) -> str:
+        return f"--{self.name}-* options" if self.kind == MAPPING else self.cli_flag
+
+    @property
+    def scalar(self) -> bool:
+        """A value a sweep candidate carries and the reproduction command spells out."""
+        return self.kind in (NUMBER, INT, WEIGHTS)
+
+    def default_for(self, method: str) -> Any:
+        return self.default.get(method) if isinstance(self.default, Mapping) else self.default
+
+
+@dataclass
+class BuildContext:
+    """What a method's operation is built from besides its parameters."""
+
+    options: Any  # the MergeOptions
+    device: Any  # torch.device
+    recall_weights: Any = None  # RECALL's calibrated weights (RecallWeights), else None
+
+    @property
+    def block_bytes(self) -> int:
+        return self.options.block_bytes
+
+
+@dataclass(frozen=True)
+class MergeMethod:
+    """One merge method: its parameters, its operation and its report summary."""
+
+    name: str
+    params: tuple[str, ...]  # names of the parameters it takes, in report order
+    make_op: Callable[[dict, BuildContext], Any]  # -> a TensorOp (see dghard_cli.engine.ops)
+    fine_tunes: str = "any"  # "one": exactly one fine-tune | "any"
+    aliases: tuple[str, ...] = ()
+    summary: Callable[[list[dict], dict], dict] | None = None  # extra ``merge`` report entries
+    check_weights: Callable[[str, list[float]], None] | None = None  # more rules on --weights
+    sweep_axes: tuple[str, ...] = ()  # parameters a sweep family may sweep (first: default); () = none
+    sweep_fixed: tuple[str, ...] = ()  # parameters a sweep family may fix
+    calibrates: bool = False  # runs models before merging (RECALL): OUT is checked first
+
+    @property
+    def all_params(self) -> tuple[str, ...]:
+        return self.params + tuple(p.name for p in COMMON)
+
+
+def finite(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise InputError(f"--{name} must be a finite number, got {value!r}")
+    return float(value)
+
+
+def in_range(lo: float, hi: float, name: str, what: str = "") -> Callable[[Any, MergeMethod, int], float]:
+    """A finite number in [lo, hi]."""
+
+    def check(value: Any, method: MergeMethod, n_fts: int) -> float:
+        v = finite(name, value)
+        if not lo <= v <= hi:
+            raise InputError(f"--{name} must be in [{lo:g}, {hi:g}]{what}, got {v}")
+        return v
+
+    return check
+
+
+#: Parameters every method takes, after its own (none yet).
+COMMON: tuple[Param, ...] = ()

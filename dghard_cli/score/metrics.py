@@ -1,0 +1,282 @@
+"""The partition-conditioned metrics of ``dghard score``: each benchmark is damaged, improved
+or unchanged by the fine-tune (beyond a margin); a candidate is scored by % repair on the
+damaged ones, % retention on the improved ones and their harmonic mean (HM)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping, Sequence
+
+from dghard_cli import __version__
+from dghard_cli.errors import InputError
+from dghard_cli.score.results import ResultFile, Score, ScoreLike, _is_number
+
+SCHEMA_VERSION = 1
+
+
+DEFAULT_MIN_MARGIN = 0.5
+
+
+DEFAULT_STDERR_FACTOR = 2.0
+
+
+PARTITIONS = ("damaged", "improved", "unchanged", "target")
+
+
+def as_score(v: ScoreLike, where: str) -> Score:
+    if isinstance(v, Score):
+        s = v
+    elif isinstance(v, tuple):
+        s = Score(float(v[0]), None if len(v) < 2 or v[1] is None else float(v[1]))
+    elif _is_number(v):
+        s = Score(float(v), None)
+    else:
+        raise InputError(f"{where}: {v!r} is not a score")
+    if not math.isfinite(s.value):
+        raise InputError(f"{where}: score {s.value} is not finite")
+    return s
+
+
+def _scores(x: ResultFile | Mapping[str, ScoreLike], label: str) -> dict[str, Score]:
+    if isinstance(x, ResultFile):
+        return dict(x.scores)
+    return {str(k): as_score(v, f"{label} benchmark {k!r}") for k, v in x.items()}
+
+
+def _label(x: object, fallback: str) -> str:
+    return x.source if isinstance(x, ResultFile) else fallback
+
+
+def combined_stderr(se_base: float | None, se_ft: float | None) -> float | None:
+    """Standard error of ``ft − base``: sqrt(se_b² + se_f²); √2·se when only one is known."""
+    if se_base is not None and se_ft is not None:
+        return math.hypot(se_base, se_ft)
+    one = se_base if se_base is not None else se_ft
+    return None if one is None else math.sqrt(2.0) * one
+
+
+def harmonic_mean(repair: float | None, retention: float | None) -> float | None:
+    """HM of % repair and % retention, with the edge cases of the module docstring."""
+    if repair is None and retention is None:
+        return None
+    if repair is None:
+        return retention
+    if retention is None:
+        return repair
+    if repair > 0 and retention > 0:
+        return 2.0 * repair * retention / (repair + retention)
+    return min(repair, retention)
+
+
+def _mean(xs: Sequence[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
+
+
+def score_candidates(
+    base: ResultFile | Mapping[str, ScoreLike],
+    ft: ResultFile | Mapping[str, ScoreLike],
+    candidates: Mapping[str, ResultFile | Mapping[str, ScoreLike]]
+    | Sequence[tuple[str, ResultFile | Mapping[str, ScoreLike]]],
+    *,
+    targets: Iterable[str] = (),
+    margin: float | None = None,
+    min_margin: float = DEFAULT_MIN_MARGIN,
+    stderr_factor: float = DEFAULT_STDERR_FACTOR,
+    fail_under: float | None = None,
+) -> dict:
+    """Score candidates against base and fine-tune; returns the score document.
+
+    All scores are in points. Raises InputError (exit 2) for a benchmark missing from the
+    fine-tune or a candidate, an unknown target, a negative margin or no candidate.
+    """
+    if margin is not None and not (math.isfinite(margin) and margin >= 0):
+        raise InputError(f"--margin must be a finite number >= 0, got {margin}")
+    if fail_under is not None and not math.isfinite(fail_under):
+        raise InputError(f"--fail-under must be finite, got {fail_under}")
+    cand_list = list(candidates.items()) if isinstance(candidates, Mapping) else list(candidates)
+    if not cand_list:
+        raise InputError("no candidate results given (--candidate R)")
+    names = [n for n, _ in cand_list]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise InputError(f"candidate name {dup!r} given twice; name them with --candidate NAME=PATH")
+    b = _scores(base, "base")
+    f = _scores(ft, "ft")
+    base_label, ft_label = _label(base, "base"), _label(ft, "ft")
+    target_list = list(dict.fromkeys(targets))
+    warnings: list[str] = []
+    for t in target_list:
+        if t not in b:
+            raise InputError(
+                f"--target {t!r}: no such benchmark in the base results {base_label} "
+                f"(benchmarks: {', '.join(b) or 'none'})"
+            )
+    missing = [k for k in b if k not in f]
+    if missing:
+        raise InputError(
+            f"fine-tune results {ft_label} lack benchmark {missing[0]!r}"
+            f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}, present in the base "
+            f"results {base_label}; evaluate both on the same benchmarks"
+        )
+    extra = [k for k in f if k not in b]
+    if extra:
+        warnings.append(f"benchmarks only in the fine-tune's results ignored: {', '.join(extra)}")
+
+    benchmarks: list[dict] = []
+    for k, sb in b.items():
+        sf = f[k]
+        se = combined_stderr(sb.stderr, sf.stderr)
+        if margin is not None:
+            m, rule = margin, "fixed"
+        elif se is not None:
+            m, rule = max(min_margin, stderr_factor * se), "stderr"
+        else:
+            m, rule = min_margin, "floor"
+        change = sf.value - sb.value
+        if k in target_list:
+            part = "target"
+            if abs(change) <= m:
+                warnings.append(
+                    f"target {k!r}: the fine-tune moved it by {change:+.2f} points, within the "
+                    f"margin {m:.2f}; its retention is noise"
+                )
+        elif change < -m:
+            part = "damaged"
+        elif change > m:
+            part = "improved"
+        else:
+            part = "unchanged"
+        benchmarks.append(
+            {
+                "name": k,
+                "base": sb.value,
+                "ft": sf.value,
+                "base_stderr": sb.stderr,
+                "ft_stderr": sf.stderr,
+                "combined_stderr": se,
+                "margin": m,
+                "margin_rule": rule,
+                "ft_change": change,
+                "partition": part,
+            }
+        )
+    counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
+    if counts["damaged"] == 0:
+        warnings.append("no damaged benchmarks: % repair is undefined and HM is the % retention alone")
+    if counts["improved"] == 0:
+        warnings.append("no improved benchmarks: % retention is undefined and HM is the % repair alone")
+
+    cands = []
+    for name, res in cand_list:
+        c = _scores(res, f"candidate {name}")
+        lab = _label(res, name)
+        miss = [k for k in b if k not in c]
+        if miss:
+            raise InputError(
+                f"candidate {name!r} ({lab}) lacks benchmark {miss[0]!r}"
+                f"{f' (and {len(miss) - 1} more)' if len(miss) > 1 else ''}; every candidate must be "
+                "evaluated on the base's benchmarks"
+            )
+        extra_c = [k for k in c if k not in b]
+        if extra_c:
+            warnings.append(f"candidate {name!r}: benchmarks not in the base ignored: {', '.join(extra_c)}")
+        rows = []
+        rep, ret, unch, tgt = [], [], [], {}
+        for bm in benchmarks:
+            k = bm["name"]
+            cv = c[k].value
+            bv, fv = bm["base"], bm["ft"]
+            part = bm["partition"]
+            if part == "damaged":
+                val = (cv - fv) / (bv - fv) * 100.0
+                rep.append(val)
+            elif part == "improved":
+                val = (cv - bv) / (fv - bv) * 100.0
+                ret.append(val)
+            elif part == "unchanged":
+                val = cv - bv
+                unch.append(val)
+            else:
+                val = (cv - bv) / (fv - bv) * 100.0 if fv != bv else None
+                tgt[k] = val
+            rows.append(
+                {
+                    "name": k,
+                    "partition": part,
+                    "value": cv,
+                    "stderr": c[k].stderr,
+                    "vs_base": cv - bv,
+                    "vs_ft": cv - fv,
+                    "score": val,
+                }
+            )
+        repair, retention = _mean(rep), _mean(ret)
+        defined_t = [v for v in tgt.values() if v is not None]
+        cands.append(
+            {
+                "name": name,
+                "source": lab,
+                "repair": repair,
+                "retention": retention,
+                "hm": harmonic_mean(repair, retention),
+                "unchanged_mean_change": _mean(unch),
+                "target_retention": tgt,
+                "target_retention_mean": _mean(defined_t),
+                "benchmarks": rows,
+            }
+        )
+
+    def rank_key(i_c: tuple[int, dict]) -> tuple:
+        i, cd = i_c
+        neg = -math.inf
+        return (
+            cd["hm"] is None,
+            -(cd["hm"] if cd["hm"] is not None else neg),
+            -(cd["repair"] if cd["repair"] is not None else neg),
+            -(cd["retention"] if cd["retention"] is not None else neg),
+            i,
+        )
+
+    order = [cd["name"] for _, cd in sorted(enumerate(cands), key=rank_key)]
+    for cd in cands:
+        cd["rank"] = order.index(cd["name"]) + 1
+    doc: dict = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "score",
+        "tool": {"name": "dghard", "version": __version__},
+        "units": "points",
+        "margin": {
+            "fixed": margin,
+            "min_margin": min_margin,
+            "stderr_factor": stderr_factor,
+        },
+        "targets": target_list,
+        "counts": counts,
+        "benchmarks": benchmarks,
+        "candidates": cands,
+        "ranking": order,
+        "best": order[0],
+        "warnings": warnings,
+    }
+    if fail_under is not None:
+        doc["gate"] = gate(doc, fail_under)
+    return doc
+
+
+def gate(doc: dict, fail_under: float) -> dict:
+    """The ``--fail-under`` decision on the best-ranked candidate."""
+    best = next(c for c in doc["candidates"] if c["name"] == doc["ranking"][0])
+    hm = best["hm"]
+    if hm is None:
+        passed = False
+        reason = (
+            f"candidate {best['name']!r}: HM is undefined (no damaged and no improved benchmarks), "
+            f"so the gate at {fail_under:g} cannot pass"
+        )
+    elif hm < fail_under:
+        passed = False
+        reason = f"candidate {best['name']!r}: HM {hm:.2f} is below --fail-under {fail_under:g}"
+    else:
+        passed = True
+        reason = f"candidate {best['name']!r}: HM {hm:.2f} >= {fail_under:g}"
+    return {"fail_under": fail_under, "candidate": best["name"], "hm": hm, "passed": passed, "reason": reason}

@@ -1,0 +1,371 @@
+"""Reading evaluation results: lm-evaluation-harness output or a plain ``{"benchmark": score}``
+JSON, put on one scale, **points** (0–100), with the metric chosen per task."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import NamedTuple, Union
+
+from dghard_cli.errors import InputError
+from dghard_cli.io.checkpoint import path_exists, read_json_file
+
+#: Metric names that represent a task, most preferred first.
+METRIC_PRIORITY = ("acc_norm", "acc", "exact_match", "pass@1", "pass_at_1", "mc2", "f1", "em")
+
+
+#: Filters preferred when a metric comes under several.
+FILTER_PRIORITY = ("none", "strict-match")
+
+
+#: Keys of an lm-evaluation-harness task entry that are not metrics.
+NON_METRIC_KEYS = {"alias", "samples", "sample_len", "sample_count", "name", "task"}
+
+
+SCALES = ("auto", "fraction", "points")
+
+
+class Score(NamedTuple):
+    """One benchmark's score and standard error, in points (stderr None when unknown)."""
+
+    value: float
+    stderr: float | None = None
+
+
+ScoreLike = Union[Score, float, int, tuple]
+
+
+@dataclass
+class ResultFile:
+    """A results file, read and put on the points scale."""
+
+    source: str
+    format: str  # "lm-eval" | "plain"
+    scale: str  # "fraction" | "points"
+    scores: dict[str, Score]
+    metrics: dict[str, str] = field(default_factory=dict)  # task -> key used (lm-eval)
+    warnings: list[str] = field(default_factory=list)
+
+    def describe(self) -> dict:
+        d: dict = {"path": self.source, "format": self.format, "scale": self.scale}
+        if self.metrics:
+            d["metrics"] = dict(self.metrics)
+        return d
+
+
+@dataclass
+class MetricRule:
+    """``--metric`` options: one metric for every task and/or per-task choices."""
+
+    default: str | None = None
+    per_task: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def parse(cls, values: Iterable[str] | str | None) -> MetricRule:
+        rule = cls()
+        if values is None:
+            return rule
+        if isinstance(values, str):
+            values = [values]
+        for v in values:
+            v = v.strip()
+            if not v:
+                raise InputError("--metric: empty value (use NAME, NAME,FILTER or TASK=NAME)")
+            if "=" in v:
+                task, name = (s.strip() for s in v.split("=", 1))
+                if not task or not name:
+                    raise InputError(f"--metric {v!r}: expected TASK=NAME")
+                rule.per_task[task] = name
+            else:
+                if rule.default is not None and rule.default != v:
+                    raise InputError(
+                        f"--metric given twice for every task ({rule.default!r}, {v!r}); "
+                        "use TASK=NAME for per-task choices"
+                    )
+                rule.default = v
+        return rule
+
+
+def _split_key(key: str) -> tuple[str, str | None]:
+    if "," in key:
+        name, filt = key.split(",", 1)
+        return name, filt
+    return key, None
+
+
+def _stderr_key(key: str) -> str:
+    name, filt = _split_key(key)
+    return f"{name}_stderr" + (f",{filt}" if filt is not None else "")
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _metric_entries(entry: Mapping) -> list[tuple[int, str, str, str | None]]:
+    """Numeric metric keys of a task entry: (file position, key, name, filter)."""
+    out = []
+    for i, (key, val) in enumerate(entry.items()):
+        if key in NON_METRIC_KEYS or not _is_number(val):
+            continue
+        name, filt = _split_key(key)
+        if name.endswith("_stderr"):
+            continue
+        out.append((i, key, name, filt))
+    return out
+
+
+def _filter_rank(filt: str | None) -> int:
+    if filt is None:
+        return 0
+    return FILTER_PRIORITY.index(filt) if filt in FILTER_PRIORITY else len(FILTER_PRIORITY)
+
+
+def choose_metric(
+    task: str, entry: Mapping, higher_is_better: Mapping | None, requested: str | None, source: str
+) -> str | None:
+    """The key that represents ``task`` (see the module docstring); None if it has no score."""
+    entries = _metric_entries(entry)
+    hib = higher_is_better or {}
+
+    def lower_is_better(name: str) -> bool:
+        return hib.get(name) is False
+
+    if requested is not None:
+        if "," in requested or any(k == requested for _, k, _, _ in entries):
+            matches = [e for e in entries if e[1] == requested]
+        else:
+            matches = sorted(
+                (e for e in entries if e[2] == requested), key=lambda e: (_filter_rank(e[3]), e[0])
+            )
+        if not matches:
+            have = ", ".join(k for _, k, _, _ in entries) or "no numeric metric"
+            raise InputError(
+                f"{source}: task {task!r} has no metric {requested!r} (it has: {have}); "
+                f"pass --metric {task}=NAME for this task"
+            )
+        key, name = matches[0][1], matches[0][2]
+        if lower_is_better(name):
+            raise InputError(
+                f"{source}: metric {key!r} of task {task!r} is lower-is-better; "
+                "scoring needs a higher-is-better metric (--metric)"
+            )
+        return key
+    usable = [e for e in entries if not lower_is_better(e[2])]
+    if not usable:
+        return None
+    n = len(METRIC_PRIORITY)
+
+    def rank(e: tuple[int, str, str, str | None]) -> tuple[int, int, int]:
+        name_rank = METRIC_PRIORITY.index(e[2]) if e[2] in METRIC_PRIORITY else n
+        return (name_rank, _filter_rank(e[3]) if name_rank < n else 0, e[0])
+
+    return min(usable, key=rank)[1]
+
+
+def _matches(key: str, requested: str) -> bool:
+    return key == requested or ("," not in requested and _split_key(key)[0] == requested)
+
+
+def _requested(rule: MetricRule, task: str, entry: Mapping) -> str | None:
+    """The metric asked for this task: its own (strict), or the global one where it has it."""
+    if task in rule.per_task:
+        return rule.per_task[task]
+    if rule.default is not None and any(_matches(k, rule.default) for _, k, _, _ in _metric_entries(entry)):
+        return rule.default
+    return None
+
+
+def _stderr_value(v: object) -> float | None:
+    if _is_number(v) and math.isfinite(float(v)) and float(v) >= 0:  # type: ignore[arg-type]
+        return float(v)  # type: ignore[arg-type]
+    return None  # "N/A", null, NaN
+
+
+def find_results_file(directory: Path) -> Path:
+    """The lm-evaluation-harness results file under a directory (its newest ``results*.json``)."""
+    found = sorted(p for p in directory.rglob("results*.json") if p.is_file())
+    if not found:
+        raise InputError(
+            f"{directory}: no results*.json file in this directory (pass an lm-evaluation-harness "
+            "results file or a {benchmark: score} JSON)"
+        )
+    parents = {p.parent for p in found}
+    if len(parents) > 1:
+        raise InputError(
+            f"{directory}: results files of {len(parents)} different runs "
+            f"({', '.join(sorted(str(p) for p in parents)[:3])}); pass one results file"
+        )
+    return max(found, key=lambda p: p.name)  # lm-eval names them results_<timestamp>.json
+
+
+def _tasks_to_score(doc: Mapping, subtasks: bool) -> list[str]:
+    results = doc["results"]
+    tree = doc.get("group_subtasks")
+    tree = tree if isinstance(tree, dict) else {}
+    children = {c for subs in tree.values() if isinstance(subs, list) for c in subs}
+
+    def has_score(t: str) -> bool:
+        e = results.get(t)
+        return isinstance(e, dict) and bool(_metric_entries(e))
+
+    def leaves(t: str, seen: frozenset = frozenset()) -> list[str]:
+        subs = [s for s in tree.get(t) or [] if isinstance(s, str)]
+        if not subs or t in seen:
+            return [t] if t in results else []
+        out = []
+        for s in subs:
+            out += leaves(s, seen | {t})
+        return out
+
+    def expand(t: str, seen: frozenset = frozenset()) -> list[str]:
+        subs = [s for s in tree.get(t) or [] if isinstance(s, str)]
+        if has_score(t) or not subs or t in seen:
+            return [t]
+        out = []
+        for s in subs:
+            out += expand(s, seen | {t})
+        return out
+
+    top = [t for t in results if t not in children]
+    out: list[str] = []
+    for t in top:
+        for x in leaves(t) if subtasks else expand(t):
+            if x not in out:
+                out.append(x)
+    return out
+
+
+def _apply_scale(raw: dict[str, tuple[float, float | None]], scale: str, source: str) -> tuple[str, dict]:
+    if scale not in SCALES:
+        raise InputError(f"--units {scale!r} is not one of {', '.join(SCALES)}")
+    values = [v for v, _ in raw.values()] + [s for _, s in raw.values() if s is not None]
+    if scale == "auto":
+        scale = "fraction" if all(0.0 <= v <= 1.0 for v in values) else "points"
+    if scale == "fraction":
+        bad = [(t, v) for t, (v, _) in raw.items() if not 0.0 <= v <= 1.0]
+        if bad:
+            raise InputError(f"{source}: --units fraction but {bad[0][0]!r} is {bad[0][1]:g}, not in [0, 1]")
+        return scale, {t: Score(100.0 * v, None if s is None else 100.0 * s) for t, (v, s) in raw.items()}
+    return scale, {t: Score(v, s) for t, (v, s) in raw.items()}
+
+
+def read_results(
+    path: str | Path,
+    *,
+    metric: MetricRule | Iterable[str] | str | None = None,
+    fixed: Mapping[str, str] | None = None,
+    scale: str = "auto",
+    subtasks: bool = False,
+    label: str = "results",
+) -> ResultFile:
+    """Read one results file (or an lm-evaluation-harness output directory) on the points scale.
+
+    ``fixed`` maps task -> metric key and forces those keys (used so that every file is read
+    with the metrics chosen for the base).
+    """
+    p = Path(path).expanduser()
+    if not path_exists(p):
+        raise InputError(f"{label} {path}: no such file or directory")
+    if p.is_dir():
+        p = find_results_file(p)
+    doc = read_json_file(p, f"{label} file")
+    source = str(p)
+    rule = metric if isinstance(metric, MetricRule) else MetricRule.parse(metric)
+    if isinstance(doc, dict) and isinstance(doc.get("results"), dict):
+        return _read_lm_eval(doc, source, rule, dict(fixed or {}), scale, subtasks)
+    if isinstance(doc, dict):
+        return _read_plain(doc, source, scale)
+    raise InputError(
+        f"{source}: not an lm-evaluation-harness results file (no 'results' object) nor a "
+        "{benchmark: score} JSON object"
+    )
+
+
+def load_results(path: str | Path, **kwargs) -> dict[str, Score]:
+    """``{benchmark: Score(points, stderr points or None)}`` of one results file.
+
+    Public in-memory API (the commands use :func:`read_results`).
+    """
+    return read_results(path, **kwargs).scores
+
+
+def _read_plain(doc: dict, source: str, scale: str) -> ResultFile:
+    raw: dict[str, tuple[float, float | None]] = {}
+    for name, val in doc.items():
+        if _is_number(val):
+            v, se = float(val), None
+        elif isinstance(val, dict) and _is_number(val.get("score")):
+            v, se = float(val["score"]), _stderr_value(val.get("stderr"))
+        else:
+            raise InputError(
+                f"{source}: benchmark {name!r} is {type(val).__name__}, not a number; expected "
+                '{"benchmark": score} (or {"benchmark": {"score": x, "stderr": y}})'
+            )
+        if not math.isfinite(v):
+            raise InputError(f"{source}: benchmark {name!r} has a non-finite score")
+        raw[str(name)] = (v, se)
+    if not raw:
+        raise InputError(f"{source}: no benchmark scores in this file")
+    used, scores = _apply_scale(raw, scale, source)
+    return ResultFile(source=source, format="plain", scale=used, scores=scores)
+
+
+def _read_lm_eval(
+    doc: dict, source: str, rule: MetricRule, fixed: dict[str, str], scale: str, subtasks: bool
+) -> ResultFile:
+    results = doc["results"]
+    hib_all = doc.get("higher_is_better") if isinstance(doc.get("higher_is_better"), dict) else {}
+    tasks = _tasks_to_score(doc, subtasks)
+    raw: dict[str, tuple[float, float | None]] = {}
+    metrics: dict[str, str] = {}
+    warnings: list[str] = []
+    for task in tasks:
+        entry = results.get(task)
+        if not isinstance(entry, dict):
+            continue
+        hib = hib_all.get(task) if isinstance(hib_all.get(task), dict) else None
+        if task in fixed:
+            key = fixed[task]
+            if not _is_number(entry.get(key)):
+                have = ", ".join(k for _, k, _, _ in _metric_entries(entry)) or "no numeric metric"
+                raise InputError(
+                    f"{source}: task {task!r} has no metric {key!r}, which the base results use "
+                    f"(it has: {have}); evaluate every model with the same tasks and metrics"
+                )
+        elif fixed:  # a task the base lacks: read leniently, it is reported as ignored
+            try:
+                key = choose_metric(task, entry, hib, _requested(rule, task, entry), source)
+            except InputError:
+                key = None
+            if key is None:
+                continue
+        else:
+            key = choose_metric(task, entry, hib, _requested(rule, task, entry), source)
+            if key is None:
+                warnings.append(f"{source}: task {task!r} has no higher-is-better score; skipped")
+                continue
+        v = float(entry[key])
+        if not math.isfinite(v):
+            raise InputError(f"{source}: task {task!r} metric {key!r} is {v} (not a finite score)")
+        raw[task] = (v, _stderr_value(entry.get(_stderr_key(key))))
+        metrics[task] = key
+    if not raw:
+        raise InputError(f"{source}: no task with a usable score in 'results'")
+    if not fixed:
+        unknown = [t for t in rule.per_task if t not in raw]
+        if unknown:
+            raise InputError(
+                f"{source}: --metric {unknown[0]}=...: no scored task {unknown[0]!r} in this file "
+                f"(tasks: {', '.join(raw)})"
+            )
+        if rule.default is not None and not any(
+            _matches(k, rule.default) for t, k in metrics.items() if t not in rule.per_task
+        ):
+            raise InputError(f"{source}: --metric {rule.default!r} matches no task in this file")
+    used, scores = _apply_scale(raw, scale, source)
+    return ResultFile(
+        source=source, format="lm-eval", scale=used, scores=scores, metrics=metrics, warnings=warnings
+    )

@@ -1,0 +1,94 @@
+"""Choosing among scored candidates: feasibility (every target keeps enough of the fine-tune's
+gain), HM, closeness to the fine-tune; and the distance that measures that closeness."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from dghard_cli.io.checkpoint import Checkpoint
+
+#: Row blocks of the distance computation (float64 bytes per input block).
+DISTANCE_BLOCK_BYTES = 64 * 1024 * 1024
+
+
+def update_distance(base: Checkpoint, fts: list[Checkpoint], cand: Checkpoint) -> float:
+    """‖W_c − W_ref‖ / ‖W_ref − W_base‖ over all floating tensors (float64, row blocks).
+
+    W_ref is the fine-tune (several: W_base + Σ_i (W_i − W_base)). Tensors whose shape differs
+    from BASE's (a resized vocabulary) compare with the first fine-tune and add nothing to
+    the denominator.
+    """
+    num = den = 0.0
+    for name, info in cand.tensors.items():
+        if not info.is_float:
+            continue
+        ft_infos = [f.tensors.get(name) for f in fts]
+        if any(t is None or not t.is_float for t in ft_infos):
+            continue
+        b = base.tensors.get(name)
+        same = b is not None and b.is_float and all(t.shape == b.shape == info.shape for t in ft_infos)
+        rows = info.shape[0] if info.shape else 0
+        width = max(1, info.numel // rows) if rows else 1
+        step = max(1, DISTANCE_BLOCK_BYTES // (8 * width))
+        spans = [(r, min(rows, r + step)) for r in range(0, rows, step)] if rows else [None]
+        for span in spans:
+            c = info.read(span).to(torch.float64)
+            if not same:
+                f0 = ft_infos[0]
+                if f0.shape != info.shape:
+                    continue
+                num += float(torch.sum((c - f0.read(span).to(torch.float64)) ** 2))
+                continue
+            bb = b.read(span).to(torch.float64)
+            if len(fts) == 1:
+                ref = ft_infos[0].read(span).to(torch.float64)
+            else:
+                ref = bb.clone()
+                for t in ft_infos:
+                    ref += t.read(span).to(torch.float64) - bb
+            num += float(torch.sum((c - ref) ** 2))
+            den += float(torch.sum((ref - bb) ** 2))
+    if den <= 0:
+        return 0.0 if num <= 0 else math.inf
+    return math.sqrt(num / den)
+
+
+def target_ok(cd: dict, min_retention: float) -> bool:
+    """Every target whose retention is defined keeps at least ``min_retention`` %."""
+    return all(v is None or v >= min_retention for v in cd["target_retention"].values())
+
+
+def objective(cd: dict | None, distance: float, min_retention: float) -> tuple | None:
+    """What the search maximises: feasible first, then HM (infeasible: the worst target's
+    retention, so refinement moves toward feasibility), then closeness to the fine-tune."""
+    if cd is None:
+        return None
+    if cd["hm"] is None:
+        return (-1, 0.0, -distance)
+    if target_ok(cd, min_retention):
+        return (1, cd["hm"], -distance)
+    worst = min((v for v in cd["target_retention"].values() if v is not None), default=-math.inf)
+    return (0, worst, -distance)
+
+
+def choose_winner(
+    rows: list[dict], min_retention: float, tie_tolerance: float
+) -> tuple[dict | None, str | None]:
+    """The winner among scored candidate rows (``hm``, ``feasible``, ``distance``, ``order``)."""
+    ok = [r for r in rows if r["status"] == "ok"]
+    if not ok:
+        return None, "no candidate could be evaluated (see each candidate's status and message)"
+    defined = [r for r in ok if r["hm"] is not None]
+    if not defined:
+        return None, "HM is undefined for every candidate (no damaged and no improved benchmarks)"
+    feasible = [r for r in defined if r["feasible"]]
+    if not feasible:
+        return None, (
+            f"no candidate keeps at least {min_retention:g} % of the fine-tune's gain on every target "
+            "(--min-target-retention)"
+        )
+    best = max(r["hm"] for r in feasible)
+    tied = [r for r in feasible if r["hm"] >= best - tie_tolerance]
+    return min(tied, key=lambda r: (r["distance"], r["order"])), None
