@@ -8,7 +8,7 @@ The task format is ``TAG:input>answer`` followed by an end-of-sequence token:
 
 - ``reverse`` (``R``): reverse 3-7 lowercase letters, ``R:abcd>dcba``;
 - ``sort`` (``S``): sort 3-7 lowercase letters, ``S:dbca>abcd``;
-- ``add`` (``A``): add two numbers below 100, ``A:37+45>82``;
+- ``double`` (``D``): write every letter twice, ``D:abc>aabbcc``;
 - ``lookup`` (``K``): find a key in 3-5 key-digit pairs, ``K:a3b7c1|b>7``;
 - target ``caesar`` (``C``): shift 3-7 lowercase letters by 3, ``C:abcz>defc``.
 
@@ -62,12 +62,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-SKILLS: tuple[str, ...] = ("reverse", "sort", "add", "lookup")
+SKILLS: tuple[str, ...] = ("reverse", "sort", "double", "lookup")
 TARGET = "caesar"
-TAGS: dict[str, str] = {"reverse": "R", "sort": "S", "add": "A", "lookup": "K", "caesar": "C"}
+TAGS: dict[str, str] = {"reverse": "R", "sort": "S", "double": "D", "lookup": "K", "caesar": "C"}
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
 PAD, EOS = "<pad>", "<eos>"
-VOCAB: tuple[str, ...] = (PAD, EOS, *LETTERS, *"0123456789", *"RSAKC", *":>|+")
+VOCAB: tuple[str, ...] = (PAD, EOS, *LETTERS, *"0123456789", *"RSDKC", *":>|")
 STOI: dict[str, int] = {t: i for i, t in enumerate(VOCAB)}
 EVAL_SEED = 20250101
 EVAL_N = 200
@@ -129,9 +129,9 @@ def make_example(skill: str, rng: random.Random) -> tuple[str, str]:
     if skill == "sort":
         s = _letters(rng)
         return f"{tag}:{s}>", "".join(sorted(s))
-    if skill == "add":
-        a, b = rng.randrange(100), rng.randrange(100)
-        return f"{tag}:{a}+{b}>", str(a + b)
+    if skill == "double":
+        s = _letters(rng)
+        return f"{tag}:{s}>", "".join(c + c for c in s)
     if skill == "lookup":
         keys = rng.sample(LETTERS, rng.randint(3, 5))
         vals = [rng.choice("0123456789") for _ in keys]
@@ -306,8 +306,10 @@ def evaluate_model(model: Any) -> dict[str, dict[str, float]]:
 def load_model(path: str | Path) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    hf_logging.disable_progress_bar()
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, local_files_only=True)
     if model.config.vocab_size != len(VOCAB):
         raise SystemExit(f"{path}: vocab_size {model.config.vocab_size}, expected {len(VOCAB)}")
     return model.eval()
