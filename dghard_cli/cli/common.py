@@ -49,6 +49,22 @@ ExcludeOpt = Annotated[
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision of FT.")]
 BaseRevisionOpt = Annotated[Optional[str], typer.Option("--base-revision", help="Hub revision of BASE.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")]
+LinesOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--lines",
+        help="Layer-wise strengths A,B: scale each tensor's update by λ = A + B·ℓ/(L−1) (embeddings: A, final norm and head: A + B).",
+        show_default=False,
+    ),
+]
+LayerStrengthsOpt = Annotated[
+    Optional[str],
+    typer.Option(
+        "--layer-strengths",
+        help="Explicit per-group strengths, e.g. 'embed=0.2,0-7=0.3,8-15=0.6,head=1' (every block once), or a YAML file of that mapping.",
+        show_default=False,
+    ),
+]
 JsonOpt = Annotated[
     bool,
     typer.Option(

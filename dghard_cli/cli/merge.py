@@ -14,6 +14,8 @@ from dghard_cli.cli.common import (
     BaseRevisionOpt,
     IncludeOpt,
     JsonOpt,
+    LayerStrengthsOpt,
+    LinesOpt,
     OverwriteOpt,
     QuietOpt,
     VerboseOpt,
@@ -29,6 +31,7 @@ from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.merge import METHODS, MergeOptions, merge
 from dghard_cli.methods.calibration import RecallOptions
 from dghard_cli.methods.recipe import load_recipe
+from dghard_cli.methods.schedule import schedule_from_options, schedule_from_recipe
 
 MERGE_EPILOG = """
 **Examples**
@@ -44,6 +47,8 @@ MERGE_EPILOG = """
     dghard merge --method dg-hard --weights 1,1 BASE FT_A FT_B --out m   # DG-Hard each delta, then sum
 
     dghard merge --config configs/ties.yaml                          # a YAML recipe
+
+    dghard merge --method ties --lines 0.2,0.6 BASE FT_A FT_B --out m   # W_base + λ(ℓ)·τ_merged
 """
 
 
@@ -156,6 +161,8 @@ def merge_cmd(
     recall_max_tokens: Annotated[
         Optional[int], typer.Option(help="recall: tokens per sample (default 64).")
     ] = None,
+    lines: LinesOpt = None,
+    layer_strengths: LayerStrengthsOpt = None,
     include: IncludeOpt = None,
     exclude: Annotated[
         Optional[list[str]],
@@ -248,6 +255,9 @@ def merge_cmd(
         dt = pick(dtype, "dtype")
         rp = pick(report, "report")
         cal = pick(calib, "calib")
+        schedule = schedule_from_options(lines, layer_strengths)
+        if schedule is None and config is not None:
+            schedule = schedule_from_recipe(values, f"recipe {config}")
         opts = MergeOptions(
             method=chosen_method,
             alpha=pick(alpha, "alpha"),
@@ -280,6 +290,7 @@ def merge_cmd(
             base_revision=rev_base,
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
+            schedule=schedule,
         )
         return merge(base, fts, Path(out_dir), opts)
 

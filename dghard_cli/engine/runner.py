@@ -77,6 +77,8 @@ def plan_records(plan: Plan) -> list[dict]:
             rec["reason"] = j.reason
         if j.tied_to:
             rec["tied_to"] = j.tied_to
+        if j.strength is not None:
+            rec["layer"], rec["layer_strength"] = j.layer, j.strength
         out.append(rec)
     return out
 

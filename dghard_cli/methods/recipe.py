@@ -52,6 +52,8 @@ TOP_KEYS: dict[str, str] = {
     "allow_missing": BOOL,
     "device": STR,
     "report": STR,
+    "lines": "lines",  # "A,B" or [A, B]; checked by methods/schedule.py
+    "layer_strengths": "layer strengths",  # {embed: 0.2, 0-7: 0.3, ..., head: 1} or "embed=0.2,..."
 }
 MODEL_KEYS = {"model": STR, "weight": NUMBER, "revision": STR}
 RECALL_KEYS = {

@@ -222,6 +222,8 @@ def model_card(report: dict) -> str:
     lines.append(
         f"- tensors written: {s['tensors']} ({', '.join(f'{k}: {v}' for k, v in s['actions'].items())})"
     )
+    if report.get("layer_strengths"):
+        lines.append(f"- layer strengths λ: {report['layer_strengths']['summary']}")
     if s.get("energy_kept") is not None:
         lines.append(f"- share of the update's energy kept: {100 * s['energy_kept']:.1f} %")
         lines.append(f"- median rank kept: {s['rank_kept_median']}")
@@ -246,6 +248,8 @@ def summary_table(report: dict):
         t.add_row("noise bulk", f"{s['bulk_found_tensors']} of {s['method_tensors']} matrices")
     if s.get("low_rank_tensors"):
         t.add_row("low-rank", f"{s['low_rank_tensors']} matrices kept as fine-tuned")
+    if report.get("layer_strengths"):  # --lines / --layer-strengths (methods/schedule.py)
+        t.add_row("λ per layer", report["layer_strengths"]["summary"])
     tm = report.get("timings", {})
     if "total" in tm:
         t.add_row("time", f"{tm['total']:.1f} s")
