@@ -16,7 +16,11 @@ ties               merge      TIES at keep fraction ``density``                 
 dare-linear        merge      DARE at keep fraction ``density``                  density (log)
 dare-ties          merge      DARE-TIES at keep fraction ``density``             density (log)
 dg-hard            merge      DG-Hard on each Δ_i at scale s, then summed        scale (log)
+lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiNeS)        (α, β): 2-D
 =================  =========  ================================================  ==============
+
+The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweep.lines` (the
+functions here hand its entries and candidates over to it).
 
 Every candidate is written by the library function of its command (``repair`` or ``merge``),
 so it is byte for byte what the printed command writes.
@@ -156,6 +160,17 @@ KINDS: dict[str, FamilyKind] = {
             "any",
             "several",
         ),
+        # two axes (α, β): parsed, searched and written by sweep/lines.py
+        FamilyKind(
+            "lines",
+            "repair",
+            ("lines",),
+            ("shrink", "scale", "noise", "sigma", "a", "b"),
+            {},
+            frozenset(),
+            "one",
+            "one",
+        ),
     )
 }
 
@@ -277,6 +292,10 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
         raise InputError(f"{at}: 'family' must be one of {', '.join(KINDS)}, got {fam!r}")
     fam = fam.strip().lower()
     fam = "dare-linear" if fam == "dare" else fam
+    if fam == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.parse_entry(raw, index, where)
     at = f"{at} ({fam})"
     for key in raw:
         if key not in ENTRY_KEYS:
@@ -361,6 +380,10 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
 
 def check_entry(entry: FamilyEntry, n_fts: int, where: str) -> None:
     """Every parameter of the candidates this entry may produce (grid and range ends)."""
+    if entry.family == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.check_entry(entry, n_fts, where)  # type: ignore[arg-type]
     for v in (*entry.grid, entry.lo, entry.hi):
         make_candidate(entry, v, n_fts=n_fts, where=where)
 
@@ -396,6 +419,10 @@ def load_candidates(path: str | Path | None) -> tuple[list[FamilyEntry], str]:
 
 def make_candidate(entry: FamilyEntry, value: float, *, n_fts: int, where: str = "candidate") -> Candidate:
     """The candidate of ``entry`` at axis value ``value``: every parameter explicit and checked."""
+    if entry.family == "lines":  # value: an (α, β) pair or a per-group point
+        from dghard_cli.sweep import lines
+
+        return lines.make_candidate(entry, value, n_fts=n_fts, where=where)  # type: ignore[arg-type]
     try:
         return _make_candidate(entry, value, n_fts)
     except InputError as exc:
@@ -449,6 +476,10 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
 
 def reproduce_argv(cand: Candidate, base: str, fts: list[str], out: str, device: str) -> list[str]:
     """The one ``dghard repair``/``dghard merge`` command line that writes this candidate."""
+    if cand.family == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.reproduce_argv(cand, base, fts[0], out, device)
     p = cand.param_dict
     dev = ["--device", device] if device != "auto" else []
     if cand.command == "repair":
@@ -480,6 +511,10 @@ def write_candidate(
     cand: Candidate, base: str, fts: list[str], out: Path, *, device: str, argv: list[str]
 ) -> dict:
     """Write ``cand`` into ``out`` with the command's own library function; returns its report."""
+    if cand.family == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.write_candidate(cand, base, fts[0], out, device=device, argv=argv)
     p = cand.param_dict
     run = RunOptions(device=device, quiet=True, argv=argv)
     if cand.command == "repair":
