@@ -457,6 +457,11 @@ def test_cli_prints_the_strengths_and_composes_only_when_asked(tmp_path):
     assert not (tmp_path / "d").exists()
 
 
+@pytest.fixture(scope="module")
+def shared_pair(tmp_path_factory):
+    return make_pair(tmp_path_factory.mktemp("lines-errors"), CFGS["llama"], ft_shards=2, seed=5)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -469,16 +474,30 @@ def test_cli_prints_the_strengths_and_composes_only_when_asked(tmp_path):
         (["--layer-strengths", "0-2=0.3,head=1"], "no strength for the embeddings"),
         (["--layer-strengths", "embed=0.2,0-2=0.3"], "no strength for the final norm and head"),
         (["--layer-strengths", "embed=0.2,tail=3"], "'tail' is not a group"),
-        (["--layer-strengths", "missing.yaml"], "missing.yaml: no such file"),
+        (["--layer-strengths", "missing.yaml"], "'missing.yaml': no such file, and not GROUP=STRENGTH"),
     ],
 )
-def test_bad_schedules_are_one_line_errors(tmp_path, args, message):
-    base, ft, _, _ = pair(tmp_path, "llama", "float32")
+def test_bad_schedules_are_one_line_errors(shared_pair, tmp_path, args, message):
+    from typer.testing import CliRunner
+
+    from dghard_cli.cli import app
+
+    base, ft = shared_pair
     out = tmp_path / "out"
-    r = run_dghard("repair", base, ft, out, *args)
-    assert r.returncode == 2, r.stderr
-    assert message in r.stderr and "Traceback" not in r.stderr
+    res = CliRunner().invoke(app, ["repair", str(base), str(ft), str(out), *args])
+    assert res.exit_code == 2, res.output
+    text = " ".join((res.output + (res.stderr if hasattr(res, "stderr") else "")).split())
+    assert message in text and "Traceback" not in text
     assert not out.exists() and not list(tmp_path.glob(".*partial"))
+
+
+def test_a_bad_schedule_exits_2_from_the_real_command_line(shared_pair, tmp_path):
+    base, ft = shared_pair
+    r = run_dghard("repair", base, ft, tmp_path / "out", "--layer-strengths", "embed=0.2,0=0.3,2=0.5,head=1")
+    assert r.returncode == 2 and r.stderr.startswith(
+        "dghard: error: --layer-strengths: block 1 is not covered"
+    )
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
 
 
 def test_unreadable_depth_and_disagreeing_config_are_errors(tmp_path):

@@ -284,3 +284,39 @@ def test_grid_product_form_and_refine_option_errors(pair, tmp_path):
             sweep(pair.base, pair.ft, tmp_path / "out", SweepOptions(eval_template=pair.template, **opts))
         assert not (tmp_path / "out").exists() and not staging_path(tmp_path / "out").exists()
     assert BUDGET > 0  # the shared fixture module is importable (and its pair reused)
+
+
+def test_the_lines_family_is_skipped_where_no_layer_depth_can_be_read(pair, tmp_path):
+    import torch
+    from conftest import load_dir
+
+    from dghard_cli.testing.synthetic import write_checkpoint
+
+    cfg = json.loads((pair.ft / "config.json").read_text())
+    extra = "model.adapter_gate.weight"  # in no layer stack, neither embedding nor head
+    b, f = load_dir(pair.base), load_dir(pair.ft)
+    write_checkpoint(tmp_path / "b", [*b.items(), (extra, torch.ones(8))], shards=1, config=cfg)
+    write_checkpoint(tmp_path / "f", [*f.items(), (extra, torch.full((8,), 2.0))], shards=2, config=cfg)
+    cands = tmp_path / "c.yaml"
+    cands.write_text(
+        "families:\n  - {family: lines, grid: [[0.3, 0.5]]}\n  - {family: hard, grid: [1.0], refine: false}\n"
+    )
+    given = {}
+    for name, scores in (("base", pair.base_scores), ("ft", pair.ft_scores)):
+        given[name] = tmp_path / f"{name}.json"
+        given[name].write_text(json.dumps(scores))
+    opts = dict(
+        eval_template=pair.template,
+        budget=3,
+        candidates=cands,
+        base_results=given["base"],
+        ft_results=[given["ft"]],
+    )
+    doc = sweep(tmp_path / "b", tmp_path / "f", tmp_path / "out", SweepOptions(**opts))
+    assert [c["family"] for c in doc["candidates"]] == ["hard"]
+    (skip,) = doc["skipped_families"]
+    assert skip["family"] == "lines" and f"layer depth of tensor '{extra}'" in skip["skipped"]
+    assert any("the lines family was skipped" in w for w in doc["warnings"])
+    with pytest.raises(InputError, match=f"--refine groups: cannot tell the layer depth of tensor '{extra}'"):
+        sweep(tmp_path / "b", tmp_path / "f", tmp_path / "out2", SweepOptions(**opts, refine=["groups"]))
+    assert not (tmp_path / "out2").exists()

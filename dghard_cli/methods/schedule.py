@@ -207,7 +207,13 @@ def parse_layer_strengths(text: str) -> LayerSchedule:
     """``embed=0.2,0-7=0.3,…,head=1`` (or the path of a YAML file holding that mapping)."""
     text = str(text)
     if "=" not in text:
-        return load_layer_strengths(Path(text).expanduser())
+        path = Path(text).expanduser()
+        if not path.is_file():
+            raise InputError(
+                f"--layer-strengths {text!r}: no such file, and not GROUP=STRENGTH items "
+                "(e.g. embed=0.2,0-7=0.3,8-15=0.6,head=1)"
+            )
+        return load_layer_strengths(path)
     what = "--layer-strengths"
     items: list[tuple[object, object]] = []
     for part in text.split(","):
@@ -397,6 +403,25 @@ def _short(v: float) -> str:
 def checkpoint_depth(ck: Checkpoint) -> ModelDepth:
     """The layer stack of a checkpoint (names and config.json must agree)."""
     return model_depth(ck.tensors, ck.config(), where=f"{ck.label} ({ck.source})")
+
+
+def schedule_problem(base: Checkpoint, ft: Checkpoint) -> str | None:
+    """Why a schedule cannot be bound to this pair with the default policy (None: it can):
+    the layer stack cannot be read, or a floating tensor of both has no known place."""
+    try:
+        depth = checkpoint_depth(ft)
+        for name, info in ft.tensors.items():
+            b = base.tensors.get(name)
+            if b is None or info.dtype not in FLOAT_DTYPES or b.dtype not in FLOAT_DTYPES:
+                continue
+            place = tensor_place(name)
+            if place is None:
+                return _unknown(name)
+            if isinstance(place, int) and not 0 <= place < depth.num_layers:
+                return f"tensor {name!r} is in block {place}, but the model has {depth.num_layers} blocks"
+    except InputError as exc:
+        return str(exc)
+    return None
 
 
 def scheduled_eligibility(policy: PolicyOptions) -> Eligibility:

@@ -34,7 +34,12 @@ from dghard_cli.architecture import place_depth
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
-from dghard_cli.methods.schedule import LayerSchedule, checkpoint_depth, parse_layer_strengths
+from dghard_cli.methods.schedule import (
+    LayerSchedule,
+    checkpoint_depth,
+    parse_layer_strengths,
+    schedule_problem,
+)
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
 from dghard_cli.sweep.candidates import (
@@ -246,18 +251,41 @@ def check_entry(entry: LinesEntry, n_fts: int, where: str) -> None:
         make_candidate(entry, point, n_fts=n_fts, where=where)
 
 
-def bind_entries(entries: Sequence[FamilyEntry], ft: Checkpoint, *, refine_groups: bool) -> None:
-    """Give the active ``lines`` entries FT's number of layers (an unreadable depth is an error
-    now, before anything is evaluated) and switch on ``--refine groups``."""
-    lines = [e for e in entries if isinstance(e, LinesEntry)]
+def bind_entries(
+    active: list[FamilyEntry],
+    skipped: list[dict],
+    base: Checkpoint,
+    ft: Checkpoint,
+    *,
+    refine_groups: bool,
+) -> list[str]:
+    """Give the active ``lines`` entries FT's number of layers and switch on ``--refine groups``.
+
+    A checkpoint whose layer depth cannot be read (two layer stacks, a tensor in no known
+    place, a config disagreeing with the names) cannot take a schedule: its ``lines`` entries
+    move from ``active`` to ``skipped`` with the reason, which is also returned as a warning —
+    checked now, before anything is evaluated. With ``--refine groups`` that is an error.
+    """
+    lines = [e for e in active if isinstance(e, LinesEntry)]
     if refine_groups and not lines:
         raise InputError("--refine groups refines the lines family, which is not in the candidate set")
     if not lines:
-        return
-    depth = checkpoint_depth(ft)
+        return []
+    problem = schedule_problem(base, ft)
+    if problem is None:
+        depth = checkpoint_depth(ft)
+        for e in lines:
+            e.num_layers = depth.num_layers
+            e.refine_groups = refine_groups
+        return []
+    if refine_groups:
+        raise InputError(f"--refine groups: {problem}")
     for e in lines:
-        e.num_layers = depth.num_layers
-        e.refine_groups = refine_groups
+        active.remove(e)
+        skipped.append({**e.describe(), "skipped": problem})
+    if not active:
+        raise InputError(f"no candidate family left: the lines family cannot run here ({problem})")
+    return [f"the lines family was skipped: {problem}"]
 
 
 # -- candidates ---------------------------------------------------------------------------------

@@ -339,7 +339,13 @@ class _Sweep:
                 f"{self.candidates_source}: no candidate family applies to {n} fine-tune(s) "
                 "(repair shrinkers and wise-ft take one; the other merge methods apply with several)"
             )
-        bind_lines(self.active, self.ft_cks[0], refine_groups="groups" in self.opts.refine)
+        self.warnings += bind_lines(
+            self.active,
+            self.skipped,
+            self.base_ck,
+            self.ft_cks[0],
+            refine_groups="groups" in self.opts.refine,
+        )
         self.identity = {
             "base": input_identity(self.base_ck),
             "fts": [input_identity(f) for f in self.ft_cks],
