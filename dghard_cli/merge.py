@@ -14,6 +14,9 @@ Elementwise methods apply to every floating tensor present with equal shape in B
 fine-tunes (norms and biases too); dg-hard filters the eligible matrices (repair's rule:
 2-D, ≥ ``--min-numel``) and uses task arithmetic on the rest. Excluded, non-floating and
 fine-tune-only tensors keep the first fine-tune's value.
+
+Every method takes a layer-strength schedule (``schedule``: ``--lines A,B`` or
+``--layer-strengths``), applied to the merged task vector: W = W_base + λ(ℓ)·τ_merged.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 from dghard_cli.methods import registry
+from dghard_cli.methods import schedule as sched
 from dghard_cli.methods.calibration import RecallOptions, recall_weights
 from dghard_cli.methods.merge_ops import WHOLE_BYTES
 
@@ -61,6 +65,7 @@ class MergeOptions:
     block_bytes: int = 64 * 1024 * 1024  # row blocks of large tensors (work copies of all inputs)
     whole_bytes: int = WHOLE_BYTES  # TIES: whole tensors up to this size (all work copies)
     create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
+    schedule: sched.LayerSchedule | None = None  # --lines / --layer-strengths (registry.COMMON)
 
 
 def canonical_method(method: str) -> str:
@@ -145,6 +150,7 @@ def merge(
             ft_cks.append(ck)
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
         _check_dtypes(ft_cks)
+        strengths = sched.bind(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}
         recall_w = None
         extra: dict = {}
@@ -159,12 +165,16 @@ def merge(
             )
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
-        parameters = {**p, **policy_parameters(opts.policy)}
+        parameters = {**p, **policy_parameters(opts.policy)}  # p: the schedule's too (registry.COMMON)
+        make_op = lambda device: _make_op(method, p, opts, recall_w, device)  # noqa: E731
+        if strengths is not None:
+            extra["layer_strengths"] = strengths.report()
+            make_op = sched.wrap(make_op)
 
         def extra_report(records: list[dict]) -> dict:
             return {**extra, "merge": registry.summary(method, records, p)}
 
-        return write_model(
+        doc = write_model(
             command="merge",
             method=method,
             parameters=parameters,
@@ -172,12 +182,15 @@ def merge(
             fts=ft_cks,
             out=Path(out),
             plan=plan,
-            make_op=lambda device: _make_op(method, p, opts, recall_w, device),
+            make_op=make_op,
             run=opts.run,
             spectral=False,
             extra_report=extra_report,
             timings=timings,
         )
+        if strengths is not None and opts.run.dry_run:  # a dry run's report: the plan and its λ
+            doc["layer_strengths"] = extra["layer_strengths"]
+        return doc
     finally:
         for ck in opened:
             ck.close()

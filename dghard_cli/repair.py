@@ -2,6 +2,9 @@
 
 W* = W_base + Δ*,   Δ* = the singular components of Δ = W_ft − W_base that survive the
                           Gavish–Donoho cut (or another shrinker's weights).
+
+With a layer-strength schedule (``schedule``, see :mod:`dghard_cli.methods.schedule`):
+W = W_base + λ(ℓ)·Δ* — or W_base + λ(ℓ)·Δ when ``spec`` is None (no spectral filter).
 """
 
 from __future__ import annotations
@@ -12,24 +15,27 @@ from pathlib import Path
 
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
+from dghard_cli.errors import InputError
 from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.methods import schedule as sched
 from dghard_cli.methods.dg_hard import SpectralFilterOp, default_block_bytes
 from dghard_cli.spectral.spectrum import ShrinkSpec
 
 
 @dataclass
 class RepairOptions:
-    spec: ShrinkSpec = field(default_factory=ShrinkSpec)
+    spec: ShrinkSpec | None = field(default_factory=ShrinkSpec)  # None: no filter (a schedule alone)
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     run: RunOptions = field(default_factory=RunOptions)
     base_revision: str | None = None
     ft_revision: str | None = None
     block_bytes: int | None = None  # float64 block size of the spectral passes; None: by device
     route: str = "auto"  # auto | gram64 | qr32 (see spectral.choose_route)
+    schedule: sched.LayerSchedule | None = None  # --lines / --layer-strengths
 
 
 def repair_parameters(opts: RepairOptions) -> dict:
-    p = opts.spec.describe()
+    p = opts.spec.describe() if opts.spec is not None else {}
     pol = opts.policy
     p.update(
         {
@@ -39,9 +45,12 @@ def repair_parameters(opts: RepairOptions) -> dict:
             "allow_missing": pol.allow_missing,
             "dtype": pol.out_dtype,
             "shard_size": pol.shard_size,
-            "route": opts.route,
         }
     )
+    if opts.spec is not None:
+        p["route"] = opts.route
+    if opts.schedule is not None:
+        p.update(opts.schedule.describe())
     return p
 
 
@@ -57,14 +66,28 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
         print(doc["summary"]["verdict"])
     """
     opts = options or RepairOptions()
+    if opts.spec is None and opts.schedule is None:
+        raise InputError("nothing to do: no spectral filter and no layer-strength schedule")
     t0 = time.perf_counter()
     base_ck = open_checkpoint(str(base), revision=opts.base_revision, label="BASE")
     ft_ck = open_checkpoint(str(ft), revision=opts.ft_revision, label="FT")
     try:
-        plan = build_plan(base_ck, [ft_ck], opts.policy)
+        spec = opts.spec
+        eligible = sched.scheduled_eligibility(opts.policy) if spec is None else None
+        plan = build_plan(base_ck, [ft_ck], opts.policy, eligible=eligible)
+        strengths = sched.bind(opts.schedule, plan, ft_ck) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}
-        method = "dg-hard" if opts.spec.shrink == "hard" else f"spectral-{opts.spec.shrink}"
-        return write_model(
+        if spec is None:
+            method = "lines" if opts.schedule.form == "lines" else "layer-strengths"  # type: ignore[union-attr]
+        else:
+            method = "dg-hard" if spec.shrink == "hard" else f"spectral-{spec.shrink}"
+
+        def make_op(device):
+            if spec is None:
+                return None
+            return SpectralFilterOp(spec, device, opts.block_bytes or default_block_bytes(device), opts.route)
+
+        doc = write_model(
             command="repair",
             method=method,
             parameters=repair_parameters(opts),
@@ -72,12 +95,17 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             fts=[ft_ck],
             out=Path(out),
             plan=plan,
-            make_op=lambda device: SpectralFilterOp(
-                opts.spec, device, opts.block_bytes or default_block_bytes(device), opts.route
-            ),
+            make_op=sched.wrap(make_op) if strengths is not None else make_op,
             run=opts.run,
+            spectral=spec is not None,
+            extra_report=(lambda records: {"layer_strengths": strengths.report()})
+            if strengths is not None
+            else None,
             timings=timings,
         )
+        if strengths is not None and opts.run.dry_run:
+            doc["layer_strengths"] = strengths.report()
+        return doc
     finally:
         base_ck.close()
         ft_ck.close()

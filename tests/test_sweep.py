@@ -169,11 +169,21 @@ class Pair:
 
     # -- the independent reference -------------------------------------------------------------
     def filtered(self, family: str, params: dict) -> dict[str, np.ndarray]:
-        """Every matrix's update in the candidate, from float64 numpy (SVD filters / WiSE-FT)."""
+        """Every matrix's update in the candidate, from float64 numpy (SVD filters / WiSE-FT;
+        the lines family: the update, or the filtered one, times λ of the matrix's layer)."""
         out = {}
         for n, d in self.deltas.items():
             if family == "wise-ft":
                 out[n] = params["alpha"] * d
+                continue
+            if family == "lines":
+                lam = ref_layer_strength(n, params)
+                if "shrink" not in params:
+                    out[n] = lam * d
+                    continue
+                u, s, vt = self.svd[n]
+                w, _ = ref_weights(s, d.shape, shrink=params["shrink"], scale=params["scale"])
+                out[n] = lam * ((u * (w * s)) @ vt)
                 continue
             u, s, vt = self.svd[n]
             kw = {k: params[k] for k in ("a", "b") if k in params}
@@ -204,6 +214,23 @@ class Pair:
     def reset_calls(self) -> None:
         (self.root / "calls.log").unlink(missing_ok=True)
         (self.root / "hanging").unlink(missing_ok=True)
+
+
+def ref_layer_strength(name: str, params: dict) -> float:
+    """λ of a tensor of the one-block test model: ``--lines a,b`` gives the embeddings a, the
+    head a + b and the single block a + b/2 (midway); ``--layer-strengths`` names each group."""
+    place = (
+        "embed"
+        if name.startswith("model.embed_tokens.")
+        else "0"
+        if name.startswith("model.layers.0.")
+        else "head"
+    )
+    if "lines" in params:
+        a, b = params["lines"]
+        return {"embed": a, "0": a + b / 2, "head": a + b}[place]
+    table = dict(item.split("=") for item in params["layer_strengths"].split(","))
+    return float(table[place])
 
 
 def ref_hm(base: dict, ft: dict, cand: dict, margin: float = 0.5) -> float:
@@ -596,8 +623,15 @@ def test_default_candidate_set_is_shipped_and_valid():
     assert shipped == packaged
     entries, _ = load_candidates(None)
     fams = [e.family for e in entries]
-    assert {"hard", "soft", "optimal", "twoknob", "wise-ft"} <= set(fams)
-    assert [e.family for e in entries if e.applies(1)] == ["hard", "soft", "optimal", "twoknob", "wise-ft"]
+    assert {"lines", "hard", "soft", "optimal", "twoknob", "wise-ft"} <= set(fams)
+    assert [e.family for e in entries if e.applies(1)] == [
+        "lines",
+        "hard",
+        "soft",
+        "optimal",
+        "twoknob",
+        "wise-ft",
+    ]
     assert all(
         not e.applies(1) for e in entries if e.family in ("ties", "task-arithmetic", "dare-ties", "dg-hard")
     )
@@ -707,6 +741,9 @@ def test_a_template_without_output_reads_the_results_from_stdout(pair, tmp_path)
         ({"family": "dare-linear", "grid": [0.5], "fixed": {"seed": 3}}, 2),
         ({"family": "dare-ties", "axis": "lambda", "grid": [0.8], "fixed": {"density": 0.4}}, 2),
         ({"family": "dg-hard", "grid": [2.0], "fixed": {"weights": [1.0, 1.0]}}, 2),
+        ({"family": "lines", "grid": [[0.3, 0.45]]}, 1),
+        ({"family": "lines", "grid": [[0.15, 0.7]], "fixed": {"shrink": "hard", "scale": 1.2}}, 1),
+        ({"family": "lines", "grid": [[0.25, 0.5]], "fixed": {"shrink": "twoknob", "a": 1.0, "b": 0.3}}, 1),
     ],
     ids=lambda x: x["family"] if isinstance(x, dict) else str(x),
 )

@@ -43,6 +43,8 @@ MERGE_EPILOG = """
     dghard merge --method dg-hard --weights 1,1 BASE FT_A FT_B --out m   # DG-Hard each delta, then sum
 
     dghard merge --config configs/ties.yaml                          # a YAML recipe
+
+    dghard merge --method ties --lines 0.2,0.6 BASE FT_A FT_B --out m   # W_base + λ(ℓ)·τ_merged
 """
 
 
@@ -126,6 +128,7 @@ _PY_TYPES = {
     registry.INT: int,
     registry.WEIGHTS: str,
     registry.PATH: Path,
+    registry.SCHEDULE: str,
     "string": str,
 }
 
@@ -159,9 +162,16 @@ def _param_options() -> list[inspect.Parameter]:
     return out
 
 
-def _cli_values(kw: dict, recipe_values: dict, recipe_maps: dict) -> dict:
-    """Each method parameter's value: the command line's, else the recipe's, else None."""
+def _cli_values(kw: dict, recipe_values: dict, recipe_maps: dict, where: str | None) -> dict:
+    """Each method parameter's value: the command line's, else the recipe's (``where``), else
+    None. A field given on the command line (``--lines``) overrides every recipe key of it
+    (``layer_strengths:`` too)."""
     values: dict = {}
+    on_cli = {
+        q.attr
+        for q in registry.params().values()
+        if q.attr is not None and q.kind != registry.MAPPING and kw[f"param_{q.name}"] is not None
+    }
     for q in registry.params().values():
         if q.kind == registry.MAPPING:
             cfg = dict(recipe_maps.get(q.name, {}))
@@ -173,7 +183,12 @@ def _cli_values(kw: dict, recipe_values: dict, recipe_maps: dict) -> dict:
         cli = kw[f"param_{q.name}"]
         if q.kind == registry.WEIGHTS and cli is not None:
             cli = parse_weights(cli)
-        v = cli if cli is not None else recipe_values.get(q.name)
+        v = cli if cli is not None or q.attr in on_cli else recipe_values.get(q.name)
+        if v is not None and q.build is not None:
+            try:
+                v = q.build(v)
+            except InputError as exc:
+                raise InputError(f"{where}: {exc}" if cli is None and where else str(exc)) from None
         values[q.name] = Path(v) if q.kind == registry.PATH and v is not None else v
     return values
 
@@ -221,7 +236,9 @@ def merge_cmd(**kw) -> None:
         out_dir = pick("out", out)
         if out_dir is None:
             raise InputError("--out is required (or 'out:' in the --config recipe)")
-        kwargs, extra = registry.options_values(_cli_values(kw, values, maps))
+        kwargs, extra = registry.options_values(
+            _cli_values(kw, values, maps, f"recipe {config}" if config is not None else None)
+        )
         shard = pick("shard_size", kw["shard_size"])
         dt = pick("dtype", kw["dtype"])
         rp = pick("report", kw["report"])

@@ -33,6 +33,8 @@ def summary_table(report: dict):
         t.add_row("noise bulk", f"{s['bulk_found_tensors']} of {s['method_tensors']} matrices")
     if s.get("low_rank_tensors"):
         t.add_row("low-rank", f"{s['low_rank_tensors']} matrices kept as fine-tuned")
+    if report.get("layer_strengths"):  # --lines / --layer-strengths (methods/schedule.py)
+        t.add_row("λ per layer", report["layer_strengths"]["summary"])
     tm = report.get("timings", {})
     if "total" in tm:
         t.add_row("time", f"{tm['total']:.1f} s")
@@ -231,9 +233,12 @@ def render_plan(console: Console, doc: dict, verbose: bool) -> None:
     console.print(t)
     for note in doc.get("notes", []):
         console.print(Text(f"note: {note}"))
+    lam = bool(doc.get("layer_strengths"))  # --lines / --layer-strengths (methods/schedule.py)
+    if lam:
+        console.print(Text(f"λ per layer: {doc['layer_strengths']['summary']}"))
     if verbose:
         t = Table(show_header=True, box=None)
-        for col in ("name", "shape", "dtype", "action", "shard"):
+        for col in ("name", "shape", "dtype", "action", "shard", *(["λ"] if lam else [])):
             t.add_column(col, overflow="fold")
         for r in doc["tensors"]:
             t.add_row(
@@ -242,8 +247,16 @@ def render_plan(console: Console, doc: dict, verbose: bool) -> None:
                 r["dtype"],
                 r["action"] + (f" ({r['reason']})" if r.get("reason") else ""),
                 Text(r["shard"]),
+                *([_lam(r)] if lam else []),
             )
         console.print(t)
+
+
+def _lam(rec: dict) -> str:
+    """A tensor's λ and its place (embed, block index, head), or a dash when it is not scheduled."""
+    if rec.get("layer_strength") is None:
+        return "—"
+    return f"{rec['layer_strength']:.4g} ({rec['layer']})"
 
 
 def render_report(console: Console, doc: dict) -> None:

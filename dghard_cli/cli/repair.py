@@ -28,8 +28,16 @@ from dghard_cli.cli.render import render_plan, render_report
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.safetensors_format import parse_dtype_option
+from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
+from dghard_cli.methods.schedule import schedule_from_options
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
+
+#: The layer-strength options, as merge has them (declared once: methods/declare.py COMMON).
+LinesOpt = Annotated[Optional[str], typer.Option(LINES.cli_flag, help=LINES.help, show_default=False)]
+LayerStrengthsOpt = Annotated[
+    Optional[str], typer.Option(LAYER_STRENGTHS.cli_flag, help=LAYER_STRENGTHS.help, show_default=False)
+]
 
 REPAIR_EPILOG = """
 **Examples**
@@ -41,6 +49,10 @@ REPAIR_EPILOG = """
     dghard repair BASE FT OUT --dry-run          # plan only, reads headers
 
     dghard repair BASE FT OUT --shrink twoknob --a 1 --b 0.3 --exclude 'lm_head|embed'
+
+    dghard repair BASE FT OUT --lines 0.2,0.6                   # W_base + λ(ℓ)·Δ (LiNeS)
+
+    dghard repair BASE FT OUT --lines 0.2,0.6 --shrink hard     # W_base + λ(ℓ)·Δ* (DG-Hard, then λ)
 """
 
 
@@ -51,21 +63,32 @@ def repair_cmd(
     out: Annotated[
         Path, typer.Argument(help="Output directory (must not exist, or be empty, or --overwrite).")
     ],
-    scale: Annotated[float, typer.Option(help="Multiplies the threshold τ (1.0 = Gavish–Donoho).")] = 1.0,
+    scale: Annotated[
+        Optional[float], typer.Option(help="Multiplies the threshold τ (default 1.0 = Gavish–Donoho).")
+    ] = None,
     noise: Annotated[
-        str, typer.Option(help="median (unknown noise, from the median singular value) or known (--sigma).")
-    ] = "median",
+        Optional[str],
+        typer.Option(
+            help="median (unknown noise, from the median singular value; default) or known (--sigma)."
+        ),
+    ] = None,
     sigma: Annotated[
         Optional[float], typer.Option(help="Known per-entry noise std (with --noise known).")
     ] = None,
     shrink: Annotated[
-        str,
+        Optional[str],
         typer.Option(
-            help="hard (the paper), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk)."
+            help="hard (the paper; default), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk). With --lines: filter first, then scale (without a shrinker option --lines scales Δ itself)."
         ),
-    ] = "hard",
-    a: Annotated[float, typer.Option("--a", help="twoknob: weight of the spikes (σ > τ).")] = 1.0,
-    b: Annotated[float, typer.Option("--b", help="twoknob: weight of the bulk.")] = 0.0,
+    ] = None,
+    a: Annotated[
+        Optional[float], typer.Option("--a", help="twoknob: weight of the spikes (σ > τ; default 1).")
+    ] = None,
+    b: Annotated[
+        Optional[float], typer.Option("--b", help="twoknob: weight of the bulk (default 0).")
+    ] = None,
+    lines: LinesOpt = None,
+    layer_strengths: LayerStrengthsOpt = None,
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     min_numel: Annotated[int, typer.Option(help="Smaller matrices keep the fine-tune's value.")] = 1024,
@@ -119,8 +142,19 @@ def repair_cmd(
     """Repair FT against BASE: keep the spectral spikes of every weight delta, drop the noise bulk."""
 
     def body() -> None:
+        schedule = schedule_from_options(lines, layer_strengths)
+        filtered = schedule is None or any(v is not None for v in (shrink, scale, noise, sigma, a, b))
+        spec = ShrinkSpec(
+            shrink=shrink or "hard",
+            scale=1.0 if scale is None else scale,
+            noise=noise or "median",
+            sigma=sigma,
+            a=1.0 if a is None else a,
+            b=0.0 if b is None else b,
+        )
         opts = RepairOptions(
-            spec=ShrinkSpec(shrink=shrink, scale=scale, noise=noise, sigma=sigma, a=a, b=b),
+            spec=spec if filtered else None,
+            schedule=schedule,
             policy=PolicyOptions(
                 min_numel=min_numel,
                 include=include or [],

@@ -22,6 +22,8 @@ SWEEP_EPILOG = """
 
     dghard sweep BASE FT_A OUT --merge-ft FT_B --eval './my_eval.sh {model} {output}'   # merge methods
 
+    dghard sweep BASE FT OUT --eval './my_eval.sh {model} {output}' --budget 32 --refine groups
+
 The template runs through the shell; {model} and {output} become shell-quoted paths (do not
 quote them yourself). {output} does not exist yet: write a results JSON file there or a
 directory with lm-evaluation-harness results*.json. Without {output}, print the JSON on stdout.
@@ -104,6 +106,13 @@ def sweep_cmd(
             help="Candidates within this many HM points of the best are tied; the closest to FT wins."
         ),
     ] = 0.0,
+    refine: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--refine",
+            help="groups: after the lines family's (α, β) search, a coordinate search on per-group strengths (embeddings, block ranges, head) while the budget lasts.",
+        ),
+    ] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
@@ -131,6 +140,7 @@ def sweep_cmd(
             tie_tolerance=tie_tolerance,
             device=device,
             overwrite=overwrite,
+            refine=_split(refine),
             argv=["dghard", *sys.argv[1:]],
             on_event=None if (quiet or json_out) else progress_printer(err),
         )

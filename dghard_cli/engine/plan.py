@@ -32,7 +32,7 @@ class TensorJob:
     """One output tensor: its action, its inputs, where it is written."""
 
     name: str
-    action: str  # method | kept-ft | kept-base | resized | tied
+    action: str  # method | kept-ft | kept-base | resized | tied | scaled
     reason: str | None
     shape: tuple[int, ...]
     out_dtype: str
@@ -41,6 +41,8 @@ class TensorJob:
     fts: list[TensorInfo] = field(default_factory=list)
     shared_rows: int | None = None
     tied_to: str | None = None
+    layer: str | int | None = None  # under a layer-strength schedule: "embed", block index, "head"
+    strength: float | None = None  # ... and its λ (see methods/schedule.py)
 
     @property
     def out_nbytes(self) -> int:
@@ -53,7 +55,7 @@ class TensorJob:
 
     @property
     def runs_method(self) -> bool:
-        return self.action in ("method", "resized")
+        return self.action in ("method", "resized", "scaled")  # scaled: W_base + λ·Δ (a schedule)
 
 
 @dataclass

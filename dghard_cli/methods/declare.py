@@ -13,6 +13,8 @@ from dghard_cli.errors import InputError
 
 #: Kinds of parameter values (also the type named in a recipe's error messages).
 NUMBER, INT, WEIGHTS, PATH, MAPPING = "number", "integer", "weights", "path", "mapping"
+#: A layer-strength schedule (text on the command line; text, a list or a mapping in a recipe).
+SCHEDULE = "schedule"
 
 
 @dataclass(frozen=True)
@@ -29,18 +31,19 @@ class Param:
     """One merge parameter, as every surface sees it."""
 
     name: str  # report ``parameters`` key, recipe key, sweep axis/fixed key
-    kind: str  # NUMBER | INT | WEIGHTS | PATH | MAPPING
+    kind: str  # NUMBER | INT | WEIGHTS | PATH | MAPPING | SCHEDULE
     help: str  # command-line help text
     default: Any = None  # the value when not given, or {method: value}
     check: Callable[[Any, MergeMethod, int], Any] | None = None  # validate (InputError) and normalise
     flag: str | None = None  # command-line flag (None: --NAME)
-    attr: str | None = None  # MergeOptions field (None: MergeOptions.extra[NAME])
+    attr: str | None = None  # MergeOptions field (None: MergeOptions.extra[NAME]); two may share one
     recipe: bool = True  # a top-level recipe key (weights come from ``models:`` instead)
     describe: Callable[[Any], dict] | None = None  # report entries (None: {NAME: value})
     sweep_range: tuple[float, float] | None = None  # default refinement range as a sweep axis
     sweep_log: bool = False  # refined in log coordinates by default
     sub: tuple[SubOption, ...] = ()  # the keys of a MAPPING parameter
-    build: Callable[[dict], Any] | None = None  # a MAPPING parameter's value from its keys
+    build: Callable[[Any], Any] | None = None  # the option's value from its keys (a MAPPING) or
+    # from the command line's or a recipe's value (None: as given)
 
     @property
     def cli_flag(self) -> str:
@@ -115,5 +118,53 @@ def in_range(lo: float, hi: float, name: str, what: str = "") -> Callable[[Any, 
     return check
 
 
-#: Parameters every method takes, after its own (none yet).
-COMMON: tuple[Param, ...] = ()
+# -- the parameters every method takes ---------------------------------------------------------
+# The layer-strength schedule (LiNeS, :mod:`dghard_cli.methods.schedule`): two spellings of one
+# MergeOptions field, ``schedule`` (a LayerSchedule), at most one of them given.
+
+
+def _schedule_of(form: str) -> Callable[[Any, MergeMethod, int], Any]:
+    """The check of a spelling: the schedule when it is of that form (None otherwise)."""
+    return lambda value, method, n_fts: value if value is not None and value.form == form else None
+
+
+def _describe_schedule(value: Any) -> dict:
+    return value.describe() if value is not None else {}
+
+
+def _lines_value(value: Any) -> Any:
+    from dghard_cli.methods.schedule import lines_value
+
+    return lines_value(value)
+
+
+def _layer_strengths_value(value: Any) -> Any:
+    from dghard_cli.methods.schedule import layer_strengths_value
+
+    return layer_strengths_value(value)
+
+
+LINES = Param(
+    "lines",
+    SCHEDULE,
+    "Layer-wise strengths A,B: scale each tensor's update by λ = A + B·ℓ/(L−1) "
+    "(embeddings: A, final norm and head: A + B).",
+    check=_schedule_of("lines"),
+    attr="schedule",
+    describe=_describe_schedule,
+    build=_lines_value,
+)
+LAYER_STRENGTHS = Param(
+    "layer_strengths",
+    SCHEDULE,
+    "Explicit per-group strengths, e.g. 'embed=0.2,0-7=0.3,8-15=0.6,head=1' (every block once), "
+    "or a YAML file of that mapping.",
+    check=_schedule_of("groups"),
+    flag="--layer-strengths",
+    attr="schedule",
+    describe=_describe_schedule,
+    build=_layer_strengths_value,
+)
+
+#: Parameters every method takes, after its own.
+COMMON: tuple[Param, ...] = (LINES, LAYER_STRENGTHS)

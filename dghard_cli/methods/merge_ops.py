@@ -40,8 +40,11 @@ WHOLE_BYTES = 256 * 1024 * 1024
 
 
 def work_dtype(job: TensorJob) -> torch.dtype:
+    """float32; float64 when an input is stored in float64 or the output is float64 (e.g. the
+    wide output a layer-strength schedule asks for before its own single cast)."""
     infos = [*job.fts, *([job.base] if job.base is not None else [])]
-    return torch.float64 if any(i.dtype == "F64" for i in infos) else torch.float32
+    wide = job.out_dtype == "F64" or any(i.dtype == "F64" for i in infos)
+    return torch.float64 if wide else torch.float32
 
 
 def merged_rows(job: TensorJob) -> int | None:

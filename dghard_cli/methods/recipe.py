@@ -192,6 +192,9 @@ def load_recipe(path: str | Path) -> Recipe:
     for key in ("out", "calib", "report"):
         if key in values:
             values[key] = _resolve_path(values[key], root)
+    strengths = values.get("layer_strengths")
+    if isinstance(strengths, str) and "=" not in strengths:  # the path of a YAML file of them
+        values["layer_strengths"] = _resolve_path(strengths, root)
     for key in ("include", "exclude"):
         if isinstance(values.get(key), str):
             values[key] = [values[key]]

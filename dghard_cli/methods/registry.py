@@ -31,8 +31,9 @@ through ``MergeOptions.extra[name]``. A sketch::
                      make_op=lambda p, ctx: ElementwiseMergeOp(
                          lambda job: SlerpKernel(p["t"]), ctx.device, ctx.block_bytes)),)
 
-A parameter every method takes (a layer-strength schedule, say) goes into :data:`COMMON`:
-each method then takes it after its own parameters, with no change to any method.
+A parameter every method takes goes into :data:`COMMON` (declare.py): each method then takes it
+after its own parameters, with no change to any method. The layer-strength schedule is one
+(``--lines``, ``--layer-strengths``: two spellings of ``MergeOptions.schedule``).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from dghard_cli.methods.declare import (  # noqa: F401 - what a method module im
     MAPPING,
     NUMBER,
     PATH,
+    SCHEDULE,
     WEIGHTS,
     BuildContext,
     MergeMethod,
@@ -90,6 +92,7 @@ def registry() -> Registry:
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         methods += list(getattr(module, "MERGE_METHODS", ()))
         params += list(getattr(module, "PARAMS", ()))
+    params += list(COMMON)  # every method takes them, after its own
     by_param = {p.name: p for p in params}
     by_method = {m.name: m for m in methods}
     if len(by_param) != len(params) or len(by_method) != len(methods):
@@ -99,7 +102,7 @@ def registry() -> Registry:
             if name not in by_param:
                 raise AssertionError(f"merge method {m.name}: undeclared parameter {name!r}")
     aliases = {a: m.name for m in methods for a in m.aliases}
-    return Registry(by_method, {**by_param, **{p.name: p for p in COMMON}}, aliases)
+    return Registry(by_method, by_param, aliases)
 
 
 def methods() -> dict[str, MergeMethod]:
@@ -131,12 +134,20 @@ def given_value(opts: Any, param: Param) -> Any:
 
 
 def options_values(values: Mapping[str, Any]) -> tuple[dict, dict]:
-    """MergeOptions keyword arguments and ``extra`` for parameter values given by name."""
+    """MergeOptions keyword arguments and ``extra`` for parameter values given by name (None:
+    not given); InputError when two parameters of one field (``--lines``, ``--layer-strengths``)
+    are both given."""
     kwargs: dict = {}
     extra: dict = {}
+    by: dict[str, Param] = {}
     for name, value in values.items():
         param = params()[name]
+        if value is None:
+            continue
         if param.attr is not None:
+            if param.attr in by:
+                raise InputError(f"give either {by[param.attr].cli_flag} or {param.cli_flag}, not both")
+            by[param.attr] = param
             kwargs[param.attr] = value
         else:
             extra[name] = value
@@ -182,7 +193,7 @@ def scalar_params() -> list[Param]:
 
 def recipe_keys() -> dict[str, str]:
     """Top-level recipe keys of the method parameters and their kinds, in order."""
-    kinds = {NUMBER: "number", INT: "integer", PATH: "string", MAPPING: "mapping"}
+    kinds = {NUMBER: "number", INT: "integer", PATH: "string", MAPPING: "mapping", SCHEDULE: "schedule"}
     return {p.name: kinds[p.kind] for p in params().values() if p.recipe}
 
 

@@ -222,6 +222,8 @@ def model_card(report: dict) -> str:
     lines.append(
         f"- tensors written: {s['tensors']} ({', '.join(f'{k}: {v}' for k, v in s['actions'].items())})"
     )
+    if report.get("layer_strengths"):
+        lines.append(f"- layer strengths λ: {report['layer_strengths']['summary']}")
     if s.get("energy_kept") is not None:
         lines.append(f"- share of the update's energy kept: {100 * s['energy_kept']:.1f} %")
         lines.append(f"- median rank kept: {s['rank_kept_median']}")

@@ -32,6 +32,10 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
         raise InputError(f"{at}: 'family' must be one of {', '.join(KINDS)}, got {fam!r}")
     fam = fam.strip().lower()
     fam = "dare-linear" if fam == "dare" else fam
+    if fam == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.parse_entry(raw, index, where)
     at = f"{at} ({fam})"
     for key in raw:
         if key not in ENTRY_KEYS:
@@ -123,6 +127,10 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
 
 def check_entry(entry: FamilyEntry, n_fts: int, where: str) -> None:
     """Every parameter of the candidates this entry may produce (grid and range ends)."""
+    if entry.family == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.check_entry(entry, n_fts, where)  # type: ignore[arg-type]
     for v in (*entry.grid, entry.lo, entry.hi):
         make_candidate(entry, v, n_fts=n_fts, where=where)
 

@@ -16,7 +16,11 @@ ties               merge      TIES at keep fraction ``density``                 
 dare-linear        merge      DARE at keep fraction ``density``                  density (log)
 dare-ties          merge      DARE-TIES at keep fraction ``density``             density (log)
 dg-hard            merge      DG-Hard on each Δ_i at scale s, then summed        scale (log)
+lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiNeS)        (α, β): 2-D
 =================  =========  ================================================  ==============
+
+The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweep.lines` (the
+functions here hand its entries and candidates over to it).
 
 Every candidate is written by the library function of its command (``repair`` or ``merge``),
 so it is byte for byte what the printed command writes.
@@ -84,6 +88,17 @@ KINDS: dict[str, FamilyKind] = {
             ("b", "a", "scale"),
             ("a", "b", "scale", *_REPAIR_FIXED),
             {"a": (0.0, 1.0), "b": (0.0, 1.0), "scale": _SCALE_RANGE},
+        ),
+        # two axes (α, β): parsed, searched and written by sweep/lines.py
+        FamilyKind(
+            "lines",
+            "repair",
+            ("lines",),
+            ("shrink", "scale", "noise", "sigma", "a", "b"),
+            {},
+            frozenset(),
+            "one",
+            "one",
         ),
     )
 }
@@ -210,6 +225,10 @@ def round_sig(x: float, digits: int = SIGNIFICANT_DIGITS) -> float:
 
 def make_candidate(entry: FamilyEntry, value: float, *, n_fts: int, where: str = "candidate") -> Candidate:
     """The candidate of ``entry`` at axis value ``value``: every parameter explicit and checked."""
+    if entry.family == "lines":  # value: an (α, β) pair or a per-group point
+        from dghard_cli.sweep import lines
+
+        return lines.make_candidate(entry, value, n_fts=n_fts, where=where)  # type: ignore[arg-type]
     try:
         return _make_candidate(entry, value, n_fts)
     except InputError as exc:
@@ -259,6 +278,10 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
 
 def reproduce_argv(cand: Candidate, base: str, fts: list[str], out: str, device: str) -> list[str]:
     """The one ``dghard repair``/``dghard merge`` command line that writes this candidate."""
+    if cand.family == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.reproduce_argv(cand, base, fts[0], out, device)
     p = cand.param_dict
     dev = ["--device", device] if device != "auto" else []
     if cand.command == "repair":
@@ -294,6 +317,10 @@ def write_candidate(
     ``report_out``: the output path its report names (the sweep's OUT, where the winner is
     moved); None: ``out``.
     """
+    if cand.family == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.write_candidate(cand, base, fts[0], out, device=device, argv=argv, report_out=report_out)
     p = cand.param_dict
     run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
     if cand.command == "repair":

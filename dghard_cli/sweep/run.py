@@ -52,6 +52,7 @@ from dghard_cli.sweep.candidate_file import check_entry, load_candidates, parse_
 from dghard_cli.sweep.candidates import Candidate, FamilyEntry
 from dghard_cli.sweep.choose import choose_winner, objective, target_ok
 from dghard_cli.sweep.evaluate import check_template
+from dghard_cli.sweep.lines import bind_entries as bind_lines
 from dghard_cli.sweep.report import FRONTIER_PNG, SCHEMA_VERSION, SweepReport  # noqa: F401 (names of the output)
 from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_candidate
 from dghard_cli.sweep.steps import EvaluationSteps
@@ -84,6 +85,7 @@ class SweepOptions:
     overwrite: bool = False
     argv: list[str] | None = None
     plot: bool = True
+    refine: list[str] = field(default_factory=list)  # "groups": per-group refinement of lines
     on_event: Callable[[dict], None] | None = None  # progress (the CLI prints these)
 
 
@@ -152,6 +154,9 @@ class _Sweep(EvaluationSteps, SweepReport):
         for p in [o.base_results, *o.ft_results]:
             if p is not None and not Path(p).expanduser().exists():
                 raise InputError(f"results {p}: no such file or directory")
+        for r in o.refine:
+            if r != "groups":
+                raise InputError(f"--refine {r!r} is not one of: groups")
         if o.families is not None:
             self.entries = parse_candidates({"families": o.families}, "SweepOptions.families")
             self.candidates_source = "SweepOptions.families"
@@ -187,6 +192,13 @@ class _Sweep(EvaluationSteps, SweepReport):
                 f"{self.candidates_source}: no candidate family applies to {n} fine-tune(s) "
                 "(repair shrinkers and wise-ft take one; the other merge methods apply with several)"
             )
+        self.warnings += bind_lines(
+            self.active,
+            self.skipped,
+            self.base_ck,
+            self.ft_cks[0],
+            refine_groups="groups" in self.opts.refine,
+        )
         self.identity = {
             "base": input_identity(self.base_ck),
             "fts": [input_identity(f) for f in self.ft_cks],

@@ -57,6 +57,10 @@ def refine_probe(entry: FamilyEntry, points: dict[float, Objective]) -> float | 
 
     ``points`` maps the evaluated axis values of this entry to their objectives.
     """
+    if entry.family == "lines":  # two axes: a compass search (sweep/lines.py)
+        from dghard_cli.sweep import lines
+
+        return lines.refine_probe(entry, points)  # type: ignore[arg-type, return-value]
     if not entry.refine:
         return None
     ok = {v: o for v, o in points.items() if o is not None}
@@ -115,6 +119,10 @@ def entry_points(
     entry: FamilyEntry, n_fts: int, coarse: list[Candidate], evaluated: dict[tuple, Objective]
 ) -> dict[float, Objective]:
     """The evaluated axis values of ``entry`` and their objectives."""
+    if entry.family == "lines":
+        from dghard_cli.sweep import lines
+
+        return lines.entry_points(entry, evaluated)  # type: ignore[arg-type, return-value]
     # the entry's own grid and every value refinement produced are candidates of this entry;
     # they are found by regenerating the candidate of each evaluated value of the axis
     out: dict[float, Objective] = {}

@@ -32,12 +32,39 @@ class ArchConfig:
     num_key_value_heads: int = 2
     vocab_size: int = 256
     tie_word_embeddings: bool = False
+    max_positions: int = 64  # GPT-2 / BERT position embeddings (rows)
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
     def to_hf(self, torch_dtype: str) -> dict:
+        if self.model_type == "gpt2":
+            return {
+                "architectures": ["GPT2LMHeadModel"],
+                "model_type": "gpt2",
+                "n_embd": self.hidden_size,
+                "n_inner": self.intermediate_size,
+                "n_layer": self.num_hidden_layers,
+                "n_head": self.num_attention_heads,
+                "n_positions": self.max_positions,
+                "vocab_size": self.vocab_size,
+                "tie_word_embeddings": True,
+                "torch_dtype": torch_dtype,
+            }
+        if self.model_type == "bert":
+            return {
+                "architectures": ["BertForMaskedLM"],
+                "model_type": "bert",
+                "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size,
+                "num_hidden_layers": self.num_hidden_layers,
+                "num_attention_heads": self.num_attention_heads,
+                "max_position_embeddings": self.max_positions,
+                "type_vocab_size": 2,
+                "vocab_size": self.vocab_size,
+                "torch_dtype": torch_dtype,
+            }
         arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[self.model_type]
         return {
             "architectures": [arch],
@@ -91,9 +118,69 @@ def decoder_tensors(cfg: ArchConfig) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
+def gpt2_tensors(cfg: ArchConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """GPT-2 layout (Conv1D weights stored in x out; the LM head is tied to ``wte``, not stored)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    out: list[tuple[str, tuple[int, ...]]] = [
+        ("transformer.wte.weight", (v, h)),
+        ("transformer.wpe.weight", (cfg.max_positions, h)),
+    ]
+    for layer in range(cfg.num_hidden_layers):
+        p = f"transformer.h.{layer}."
+        out += [
+            (p + "ln_1.weight", (h,)),
+            (p + "ln_1.bias", (h,)),
+            (p + "attn.c_attn.weight", (h, 3 * h)),
+            (p + "attn.c_attn.bias", (3 * h,)),
+            (p + "attn.c_proj.weight", (h, h)),
+            (p + "attn.c_proj.bias", (h,)),
+            (p + "ln_2.weight", (h,)),
+            (p + "ln_2.bias", (h,)),
+            (p + "mlp.c_fc.weight", (h, i)),
+            (p + "mlp.c_fc.bias", (i,)),
+            (p + "mlp.c_proj.weight", (i, h)),
+            (p + "mlp.c_proj.bias", (h,)),
+        ]
+    out += [("transformer.ln_f.weight", (h,)), ("transformer.ln_f.bias", (h,))]
+    return out
+
+
+def bert_tensors(cfg: ArchConfig) -> list[tuple[str, tuple[int, ...]]]:
+    """BERT encoder layout with its pooler (``bert.embeddings.*``, ``bert.encoder.layer.N.*``)."""
+    h, i, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    e = "bert.embeddings."
+    out: list[tuple[str, tuple[int, ...]]] = [
+        (e + "word_embeddings.weight", (v, h)),
+        (e + "position_embeddings.weight", (cfg.max_positions, h)),
+        (e + "token_type_embeddings.weight", (2, h)),
+        (e + "LayerNorm.weight", (h,)),
+        (e + "LayerNorm.bias", (h,)),
+    ]
+    for layer in range(cfg.num_hidden_layers):
+        p = f"bert.encoder.layer.{layer}."
+        for m in ("query", "key", "value"):
+            out += [(p + f"attention.self.{m}.weight", (h, h)), (p + f"attention.self.{m}.bias", (h,))]
+        out += [
+            (p + "attention.output.dense.weight", (h, h)),
+            (p + "attention.output.dense.bias", (h,)),
+            (p + "attention.output.LayerNorm.weight", (h,)),
+            (p + "attention.output.LayerNorm.bias", (h,)),
+            (p + "intermediate.dense.weight", (i, h)),
+            (p + "intermediate.dense.bias", (i,)),
+            (p + "output.dense.weight", (h, i)),
+            (p + "output.dense.bias", (h,)),
+            (p + "output.LayerNorm.weight", (h,)),
+            (p + "output.LayerNorm.bias", (h,)),
+        ]
+    out += [("bert.pooler.dense.weight", (h, h)), ("bert.pooler.dense.bias", (h,))]
+    return out
+
+
 ARCHITECTURES: dict[str, Callable[[ArchConfig], list[tuple[str, tuple[int, ...]]]]] = {
     "llama": decoder_tensors,
     "qwen2": decoder_tensors,
+    "gpt2": gpt2_tensors,
+    "bert": bert_tensors,
 }
 
 
