@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,6 +12,7 @@ import typer
 
 from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
 from dghard_cli.errors import CheckFailed, InputError
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.score.scoring import render, score_files
 
 SCORE_EPILOG = """
@@ -94,6 +96,10 @@ def score_cmd(
             rp = Path(report).expanduser()
             if not rp.parent.exists():
                 raise InputError(f"--report {report}: directory {rp.parent} does not exist")
+            named = [re.match(r"^([^=/\\]+)=(.+)$", c) for c in candidate]
+            given = [("--base", base), ("--ft", ft)]
+            given += [("--candidate", m.group(2) if m else c) for m, c in zip(named, candidate, strict=True)]
+            check_outputs([(k, v) for k, v in given if v is not None], [Output("--report", rp)])
             tmp = rp.with_name(rp.name + ".tmp")
             tmp.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
             os.replace(tmp, rp)

@@ -18,7 +18,7 @@ EPILOG = """
 
     dghard verify ./repaired            # headers, index, report, sha256, NaN/Inf scan
 
-    dghard verify ./repaired --quick    # headers, index and sizes only
+    dghard verify ./repaired --quick    # headers, index and sizes only (says what it skipped)
 """
 
 
@@ -43,10 +43,11 @@ def verify_cmd(
             raise CheckFailed(f"verification failed: {exc}") from None
 
         def render(c: Console) -> None:
+            skipped = f"; not checked: {', '.join(doc['skipped'])}" if doc.get("skipped") else ""
             c.print(
                 Text(
                     f"{directory}: OK — {doc['tensors']} tensors in {doc['shards']} shard(s), "
-                    f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}"
+                    f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}{skipped}"
                 )
             )
 

@@ -36,6 +36,7 @@ from dghard_cli.audit.findings import Finding, finding
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo, _safe_member, allowed_root, read_json_file
 from dghard_cli.io.hub import resolve_dir
+from dghard_cli.io.patterns import bounded, pattern_problem, peft_fullmatch, peft_key_match, reset_budgets
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -179,17 +180,16 @@ def _check_rank(value: object, what: str, where: str) -> int:
 
 
 def _valid_regex(pattern: str) -> str | None:
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        return str(exc)
-    return None
+    """Why a config's regex cannot be used (None: it can): invalid, or able to hang the matcher
+    (:func:`dghard_cli.io.patterns.pattern_problem`)."""
+    return pattern_problem(pattern)
 
 
 def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
     """Validate ``adapter_config.json``; absurd values raise InputError, the rest are findings."""
     if not isinstance(raw, dict):
         raise InputError(f"{where}: adapter_config.json is not a JSON object")
+    reset_budgets()
     cfg = LoraConfig()
     out: list[Finding] = []
 
@@ -257,7 +257,7 @@ def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
         if isinstance(v, str):
             err = _valid_regex(v)
             if err:
-                invalid(key, f"{key} {v!r} is not a valid regular expression ({err}); PEFT fails to load it.")
+                invalid(key, f"{key} {v!r} cannot be matched: {err}; PEFT fails (or hangs) on it.")
                 continue
             setattr(cfg, key, v)
         elif isinstance(v, list) and all(isinstance(t, str) for t in v):
@@ -289,6 +289,11 @@ def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
             cfg.layers_pattern = list(lp) or None
         else:
             invalid("layers_pattern", f"layers_pattern must be a name or a list of names, not {lp!r}.")
+        bad = [(p, _valid_regex(p)) for p in cfg.layers_pattern or []]
+        bad = [(p, e) for p, e in bad if e]
+        if bad:
+            invalid("layers_pattern", f"layers_pattern {bad[0][0]!r} cannot be matched: {bad[0][1]}.")
+            cfg.layers_pattern = None
 
     for key, is_rank in (("rank_pattern", True), ("alpha_pattern", False)):
         v = raw.get(key)
@@ -301,9 +306,7 @@ def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
         for pat, val in v.items():
             err = _valid_regex(pat)
             if err:
-                invalid(
-                    key, f"{key} key {pat!r} is not a valid regular expression ({err}); PEFT fails on it."
-                )
+                invalid(key, f"{key} key {pat!r} cannot be matched: {err}; PEFT fails (or hangs) on it.")
                 continue
             if is_rank:
                 table[pat] = _check_rank(val, f"rank_pattern[{pat!r}]", where)
@@ -376,8 +379,9 @@ def pattern_key(patterns: dict, module: str) -> str | None:
     """
     for key in patterns:
         try:
-            if re.match(rf"(.*\.)?({key})$", module):
-                return key
+            with bounded(f"rank_pattern/alpha_pattern key {key!r}", key):
+                if peft_key_match(key, module):
+                    return key
         except re.error:
             continue
     return None
@@ -392,7 +396,8 @@ def layer_index(module: str, layers_pattern: list[str] | None) -> int | None:
     the last ``.<name>.<digits>.`` (``<name>`` from ``layers_pattern`` when given)."""
     if layers_pattern:
         for p in layers_pattern:
-            m = re.match(rf".*\.{p}\.(\d+)\.", module)
+            with bounded(f"layers_pattern {p!r}", p):
+                m = re.match(rf".*\.{p}\.(\d+)\.", module)
             if m:
                 return int(m.group(1))
         return None
@@ -406,7 +411,8 @@ def matches_entry(target: str | list[str], module: str) -> bool:
         if target == "all-linear":
             return module.rsplit(".", 1)[-1] not in OUTPUT_LAYER_NAMES
         try:
-            return re.fullmatch(target, module) is not None
+            with bounded(f"regex {target!r}", target):
+                return peft_fullmatch(target, module)
         except re.error:
             return False
     return _list_matches(target, module)

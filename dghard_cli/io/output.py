@@ -15,11 +15,14 @@ import hashlib
 import json
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.io import files
 from dghard_cli.io.checkpoint import path_exists
+from dghard_cli.io.lock import OutLock
 from dghard_cli.io.safetensors_format import build_header
 
 JOURNAL = "dghard_journal.jsonl"
@@ -29,7 +32,8 @@ INDEX_NAME = "model.safetensors.index.json"
 #: Files copied from the fine-tune next to the weights (configs, tokenizer, chat template).
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
 SIDE_FILE_SKIP = {"dghard_report.json", "sweep_report.json", "README.md"}
-SIDE_FILE_MAX = 64 * 1024 * 1024
+#: Room left free on OUT's filesystem beyond the bytes to write (metadata, journal, reports).
+FREE_SPACE_MARGIN = 64 * 1024 * 1024
 
 
 def staging_dir(out: Path) -> Path:
@@ -69,12 +73,49 @@ def check_free_space(out: Path, needed: int) -> None:
         free = shutil.disk_usage(parent).free
     except OSError:
         return
-    margin = 64 * 1024 * 1024
+    margin = FREE_SPACE_MARGIN
     if free < needed + margin:
         raise InputError(
-            f"output {out}: needs about {needed / 1e9:.2f} GB but {parent} has "
-            f"{free / 1e9:.2f} GB free; free space or choose another OUT"
+            f"output {out}: needs {_fmt_bytes(needed + margin)} free ({_fmt_bytes(needed)} to write plus "
+            f"a {_fmt_bytes(margin)} safety margin) but {parent} has {_fmt_bytes(free)} free; "
+            "free space or choose another OUT"
         )
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+def list_side_files(
+    source_dir: Path, weight_names: set[str], roots: tuple[Path, ...] | None = None
+) -> list[tuple[str, int]]:
+    """The fine-tune's side files to copy (config, tokenizer, chat template …) and their sizes.
+
+    Each is checked as every input is (:func:`dghard_cli.io.files.check_input_file`): a symlink
+    out of the checkpoint, a FIFO, a device or a directory under a side file's name is an
+    InputError, before anything is written. Sizes are unlimited: side files are copied in full.
+    """
+    out = []
+    try:
+        entries = sorted(Path(source_dir).iterdir())
+    except OSError as exc:
+        raise InputError(f"{source_dir}: cannot list directory ({exc.strerror})") from None
+    for p in entries:
+        name = p.name
+        if (
+            name in weight_names
+            or name in SIDE_FILE_SKIP
+            or name.endswith(".safetensors.index.json")
+            or not name.endswith(SIDE_FILE_SUFFIXES)
+        ):
+            continue
+        st = files.check_input_file(p, what=f"side file {name}", roots=roots)
+        out.append((name, st.st_size))
+    return out
 
 
 @dataclass
@@ -126,6 +167,8 @@ class ShardWriter:
     def write(self, name: str, data) -> None:
         """Append bytes of tensor ``name`` (must be the tensor due next)."""
         mv = memoryview(data).cast("B")
+        if mv.nbytes == 0:  # a zero-size tensor (already skipped in the layout) or an empty block
+            return
         if self.current != name:
             raise RuntimeFailure(f"internal error: {self.path.name} expected {self.current!r}, got {name!r}")
         left = self._expected[self._pos][1] - self._written
@@ -174,7 +217,15 @@ class OutputStage:
         self.fingerprint = fingerprint
         self.done: dict[str, ShardRecord] = {}
         self.resumed: list[str] = []  # shards verified and kept from an interrupted run
-        self._open(resume)
+        # one run per OUT (before the staging directory is looked at, let alone replaced); the
+        # lock goes with finalize()/discard(), or with this object when a failure drops it
+        self.lock = OutLock(self.out).acquire()
+        weakref.finalize(self, self.lock.release)
+        try:
+            self._open(resume)
+        except BaseException:
+            self.lock.release()
+            raise
 
     def _open(self, resume: bool | None) -> None:
         journal = self.dir / JOURNAL
@@ -246,22 +297,16 @@ class OutputStage:
         path.write_text(text, encoding="utf-8")
         return path
 
-    def copy_side_files(self, source_dir: Path, weight_names: set[str]) -> list[str]:
-        """Copy the fine-tune's config, generation config, tokenizer and chat template files."""
+    def copy_side_files(
+        self, source_dir: Path, weight_names: set[str], roots: tuple[Path, ...] | None = None
+    ) -> list[str]:
+        """Copy the fine-tune's config, generation config, tokenizer and chat template files,
+        each in full, through the file-access layer (OSError while writing propagates)."""
         copied = []
-        for p in sorted(Path(source_dir).iterdir()):
-            name = p.name
-            if (
-                name in weight_names
-                or name in SIDE_FILE_SKIP
-                or name.endswith(".safetensors.index.json")
-                or not name.endswith(SIDE_FILE_SUFFIXES)
-                or not p.is_file()
-            ):
-                continue
-            if p.stat().st_size > SIDE_FILE_MAX:
-                continue
-            shutil.copyfile(p, self.dir / name)
+        for name, _ in list_side_files(source_dir, weight_names, roots):
+            dest = self.dir / name
+            dest.unlink(missing_ok=True)  # a resumed run may have copied it already
+            files.copy_input(Path(source_dir) / name, dest, what=f"side file {name}", roots=roots)
             copied.append(name)
         return copied
 
@@ -283,8 +328,10 @@ class OutputStage:
         os.replace(self.dir, out)
         if backup is not None:
             shutil.rmtree(backup, ignore_errors=True)
+        self.lock.release()
         return out
 
     def discard(self) -> None:
         """Remove the staging directory (bad input found before any work worth keeping)."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.lock.release()

@@ -44,9 +44,13 @@ from dghard_cli import __version__
 from dghard_cli.engine.runner import REPORT_NAME
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.io.files import copy_input, realpath
 from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.io.lock import OutLock
 from dghard_cli.io.output import check_out_path
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.score.scoring import MetricRule, ResultFile, Score, read_results, score_candidates
+from dghard_cli.sweep import integrity
 from dghard_cli.sweep.candidates import (
     Candidate,
     FamilyEntry,
@@ -146,7 +150,9 @@ class Cache:
         rec = dict(rec, key=key)
         if results is not None:
             name = f"{key}.results.json"
-            shutil.copyfile(results, self.dir / (name + ".tmp"))
+            tmp = self.dir / (name + ".tmp")
+            tmp.unlink(missing_ok=True)
+            copy_input(results, tmp, what="results file")
             os.replace(self.dir / (name + ".tmp"), self.dir / name)
             rec["results"] = name
         else:
@@ -313,6 +319,9 @@ class _Sweep:
         check_out_path(
             self.out, [self.base_ck.path, *[f.path for f in self.ft_cks]], overwrite=self.opts.overwrite
         )
+        given = [("--base-results", self.opts.base_results)]
+        given += [("--ft-results", r) for r in self.opts.ft_results]
+        check_outputs(given, [Output("OUT", self.out, is_dir=True)])
         if self.stage.exists() and not self.stage.is_dir():
             raise InputError(f"{self.stage} exists and is not a directory; remove it")
         n = len(self.ft_cks)
@@ -377,7 +386,13 @@ class _Sweep:
         cached = rec is not None
         if rec is None:
             self.emit(kind="evaluating", name=what)
+            before = input_identity(ck)
             rec, results = self.run_eval(ck.path.resolve(), what, fixed)
+            if input_identity(ck) != before:
+                raise InputError(
+                    f"the evaluation command modified {what} ({ck.path}) while evaluating it; "
+                    "evaluate {model} without writing into it"
+                )
             rec = self.cache.put(key, rec, results)
             self.run_count += 1
         else:
@@ -433,7 +448,9 @@ class _Sweep:
         if run.status == "ok":
             try:
                 path = locate_results(output, run.stdout, uses_output="{output}" in self.opts.eval_template)
-                rf = read_results(path, metric=self.rule, fixed=fixed, label=f"results of {label}")
+                rf = read_results(
+                    path, metric=self.rule, fixed=fixed, label=f"results of {label}", roots=(realpath(ev),)
+                )
                 if fixed is not None:
                     self._check_complete(rf)
                 results = path
@@ -470,6 +487,7 @@ class _Sweep:
         secs = time.perf_counter() - t0
         self.t["write"] += secs
         info = {"key": key, "seconds": round(secs, 3), "bytes": dir_bytes(target)}
+        info["snapshot"] = integrity.snapshot(target)  # what the evaluation must leave as it is
         _write_json(target.parent / f"{target.name}.key", info)
         return info
 
@@ -504,6 +522,13 @@ class _Sweep:
             winner_bytes = dir_bytes(self.stage / "winner")
             self.disk_peak = max(self.disk_peak, winner_bytes + info["bytes"])
             rec, results = self.run_eval(cdir.resolve(), name, self.base_rf.metrics)
+            tampered = integrity.changed(cdir, info.get("snapshot"))
+            if tampered:
+                rec["status"], results = "failed", None
+                rec["message"] = (
+                    f"the evaluation command changed the candidate it evaluated ({tampered}); its "
+                    "results are discarded (evaluate {model} without writing into it)"
+                )
             rec.update(
                 name=name,
                 params=cand.param_dict,
@@ -639,11 +664,13 @@ class _Sweep:
         regenerated = False
         if winner is not None:
             wdir = self.stage / "winner"
-            if self.on_disk(wdir, winner["key"]) is None:
-                self.emit(
-                    kind="info",
-                    message=f"writing the winner {winner['name']} again (it was not kept on disk)",
-                )
+            kept = self.on_disk(wdir, winner["key"])
+            problem = "it was not kept on disk" if kept is None else None
+            if kept is not None:
+                problem = integrity.verify_hashes(wdir, kept.get("snapshot"))
+                problem = problem and f"it changed on disk: {problem}"
+            if problem:
+                self.emit(kind="info", message=f"writing the winner {winner['name']} again ({problem})")
                 self.write(self.cands[winner["key"]], winner["key"], wdir)
                 regenerated = True
             os.replace(wdir, final)
@@ -817,8 +844,10 @@ class _Sweep:
     def run(self) -> dict:
         self.t0 = time.perf_counter()
         self.validate()
+        lock = OutLock(self.out)
         try:
             self.open_inputs()
+            lock.acquire()
             started = self.stage.exists()
             self.stage.mkdir(parents=True, exist_ok=True)
             self.cache = Cache(self.stage)
@@ -854,6 +883,7 @@ class _Sweep:
                 raise
         finally:
             self.close()
+            lock.release()
 
 
 def sweep(base: str | Path, ft: str | Path, out: str | Path, options: SweepOptions) -> dict:
