@@ -145,7 +145,8 @@ class ShardWriter:
         self._pos = 0  # index into _expected
         self._written = 0  # bytes written of the current tensor
         self._hash = hashlib.sha256()
-        self._fh = open(path, "wb")  # noqa: SIM115 - closed in finish/abort
+        path.unlink(missing_ok=True)  # never write through whatever was left at this name
+        self._fh = open(path, "xb")  # noqa: SIM115 - closed in finish/abort
         self._size = 0
         self._put(header)
         self._skip_empty()
@@ -233,7 +234,10 @@ class OutputStage:
             same = False
             records: list[dict] = []
             try:
-                lines = journal.read_text(encoding="utf-8").splitlines()
+                text = files.read_text(
+                    journal, what="journal", limit=files.JSON_LIMIT, roots=(files.realpath(self.dir),)
+                )
+                lines = text.splitlines()
                 head = json.loads(lines[0]) if lines else {}
                 same = head.get("fingerprint") == self.fingerprint
                 for line in lines[1:]:
@@ -241,7 +245,7 @@ class OutputStage:
                         records.append(json.loads(line))
                     except ValueError:
                         break  # a torn last line: that shard is redone
-            except (OSError, ValueError, IndexError):
+            except (OSError, ValueError, IndexError, AttributeError, InputError):
                 same = False
             if resume is True and not same:
                 raise InputError(

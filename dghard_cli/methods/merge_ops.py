@@ -39,6 +39,8 @@ BLOCK_BYTES = 64 * 1024 * 1024
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
 #: fit in this; larger tensors select on the whole delta, then trim row block by row block.
 WHOLE_BYTES = 256 * 1024 * 1024
+#: Elements read at once when TIES ranks the entries tied at its threshold by exact magnitude.
+EXACT_SPAN = 1 << 22
 
 
 def work_dtype(job: TensorJob) -> torch.dtype:
@@ -277,12 +279,23 @@ class ElementwiseMergeOp:
     @staticmethod
     def _exact(job: TensorJob, src: Sources, i: int) -> T.ExactMagnitudes:
         """|W_i − W_base| in float64 at flat positions, read from the inputs when asked."""
-        rows = (0, job.shared_rows) if job.shared_rows is not None else None
 
         def exact(pos: torch.Tensor) -> torch.Tensor:
-            b = src.base(rows).reshape(-1)[pos].to(torch.float64)
-            f = src.ft(i, rows).reshape(-1)[pos].to(torch.float64)
-            return (f - b).abs()
+            # positions are sorted: read only the span around each group of them, piece by piece
+            pos = pos.cpu()
+            out = torch.empty(pos.numel(), dtype=torch.float64)
+            step = EXACT_SPAN
+            lo = 0
+            while lo < pos.numel():
+                start = int(pos[lo])
+                hi = int(torch.searchsorted(pos, start + step))
+                stop = int(pos[hi - 1]) + 1
+                idx = pos[lo:hi] - start
+                b = src.flat("base", (start, stop))[idx].to(torch.float64)
+                f = src.flat(f"ft{i}", (start, stop))[idx].to(torch.float64)
+                out[lo:hi] = (f - b).abs()
+                lo = hi
+            return out
 
         return exact
 

@@ -44,7 +44,7 @@ from dghard_cli import __version__
 from dghard_cli.engine.runner import REPORT_NAME
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
-from dghard_cli.io.files import copy_input, realpath
+from dghard_cli.io.files import copy_input, read_json, realpath
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.lock import OutLock
 from dghard_cli.io.output import check_out_path
@@ -137,8 +137,8 @@ class Cache:
     def get(self, key: str) -> dict | None:
         path = self.dir / f"{key}.json"
         try:
-            rec = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            rec = read_json(path, what="cache record", roots=(realpath(self.dir),))
+        except InputError:
             return None
         if not isinstance(rec, dict) or rec.get("key") != key:
             return None
@@ -493,8 +493,10 @@ class _Sweep:
 
     def on_disk(self, target: Path, key: str) -> dict | None:
         try:
-            info = json.loads((target.parent / f"{target.name}.key").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            info = read_json(
+                target.parent / f"{target.name}.key", what="key file", roots=(realpath(self.stage),)
+            )
+        except InputError:
             return None
         return info if isinstance(info, dict) and info.get("key") == key and target.is_dir() else None
 
