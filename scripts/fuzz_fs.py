@@ -384,6 +384,8 @@ FAMILIES: dict[str, Callable[[random.Random, Path, bool], tuple[str, frozenset]]
 
 
 def mutate(rng: random.Random, root: Path) -> str:
+    for name, text in SIDE_FILES.items():  # the fine-tune's tokenizer and friends, to be copied
+        (root / "ft" / name).write_text(text)
     family = rng.choice(sorted(FAMILIES))
     adapter = family in ("symlink", "fifo", "device", "directory", "size") and rng.random() < 0.2
     plan = {"target": "audit" if adapter else "repair", "out": root / "out", "report": None}

@@ -310,9 +310,7 @@ def fuzz(cases: int, seed: int, *, verbose: bool = False, only: list[str] | None
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dghard-fuzz-") as tmp:
         template = Path(tmp) / "template"
-        make_pair(
-            template, CFG, dtype="float32", base_shards=1, ft_shards=2, seed=0, ft_files=fuzz_fs.SIDE_FILES
-        )
+        make_pair(template, CFG, dtype="float32", base_shards=1, ft_shards=2, seed=0)
         for _, prepare, _, _ in targets:
             prepare(template)
         for i in range(cases):

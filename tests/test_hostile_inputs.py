@@ -671,6 +671,14 @@ def _recipe_into(ft: Path, base: Path, tmp: Path) -> list[str]:
     return ["merge", "--config", str(recipe)]
 
 
+def _recipe_onto_itself(ft: Path, base: Path, tmp: Path) -> list[str]:
+    recipe = tmp / "recipe.yaml"
+    recipe.write_text(
+        f"method: ties\nbase: {base}\nmodels: [{ft}, {ft}]\nout: {tmp / 'merged'}\nreport: {recipe}\n"
+    )
+    return ["merge", "--config", str(recipe)]
+
+
 def _scores(tmp: Path) -> tuple[Path, Path, Path]:
     b, f, c = tmp / "b.json", tmp / "f.json", tmp / "c.json"
     b.write_text(json.dumps({"x": 50.0, "y": 50.0}))
@@ -724,6 +732,7 @@ OUTPUT_ROWS: list[tuple[str, Callable[[Path, Path, Path], list[str]], tuple[str,
         ("inside FT",),
     ),
     ("recipe-report-into-FT", lambda b, f, t: _recipe_into(f, b, t), ("inside FT",)),
+    ("recipe-report-onto-the-recipe", lambda b, f, t: _recipe_onto_itself(f, b, t), ("--config",)),
     (
         "inspect-html-onto-FT-config",
         lambda b, f, t: ["inspect", str(b), str(f), "--html", str(f / "config.json")],
@@ -785,7 +794,7 @@ def test_c3_outputs_never_land_on_inputs(template, tmp_path, row):
         assert r.returncode == 0, r.stderr
         shutil.move(ft.parent / "r.json", ft / "r.json")
     args = argv(base, ft, tmp_path)
-    scores = {p: p.read_bytes() for p in tmp_path.glob("*.json")}
+    scores = {p: p.read_bytes() for p in [*tmp_path.glob("*.json"), *tmp_path.glob("*.yaml")]}
     before = (tree_digest(base), tree_digest(ft))
     r = CliRunner().invoke(app, args)
     assert r.exit_code == 2, (r.exit_code, r.stdout, r.stderr, r.exception)

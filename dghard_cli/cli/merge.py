@@ -25,6 +25,7 @@ from dghard_cli.cli.repair import render_plan
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.merge import METHODS, MergeOptions, merge
 from dghard_cli.methods.calibration import RecallOptions
@@ -281,6 +282,8 @@ def merge_cmd(
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
         )
+        if rp is not None:  # the recipe and the calibration text are inputs too
+            check_outputs([("--config", config), ("--calib", cal)], [Output("--report", Path(rp))])
         return merge(base, fts, Path(out_dir), opts)
 
     doc = run_cli(body, verbose=verbose)

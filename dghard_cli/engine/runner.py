@@ -136,7 +136,7 @@ def write_model(
                 *[("FT" if len(fts) == 1 else f"FT #{k}", f.path) for k, f in enumerate(fts, 1)],
             ],
             [
-                Output("OUT", out, is_dir=True, writes=frozenset(writes)),
+                Output("OUT", out, is_dir=True, writes=frozenset(writes), replaces=True),
                 Output("--report", Path(run.report_path)),
             ],
         )

@@ -8,7 +8,7 @@ A file is read only when
   checkpoint whose ``tokenizer.json`` links to ``/proc/self/environ``, ``/etc/shadow`` or a file
   in a sibling directory is refused, so nothing outside the input can reach OUT. Files the user
   names directly (``--calib``, a results file, a recipe) have no root: the user chose them;
-* it is a **regular file**: FIFOs, devices, sockets and directories are refused before they are
+- it is a **regular file**: FIFOs, devices, sockets and directories are refused before they are
   opened (``stat``), and the open itself uses ``O_NONBLOCK | O_NOFOLLOW`` and re-checks the
   descriptor (``fstat``, same inode as the path), so a FIFO swapped in between cannot block and
   a device cannot be read;
@@ -89,7 +89,7 @@ def input_roots(directory: str | Path) -> tuple[Path, ...]:
     real = realpath(directory)
     if real.parent.name == "snapshots":
         blobs = real.parent.parent / "blobs"
-        if blobs.is_dir():
+        if os.path.isdir(blobs):
             return (real, realpath(blobs))
     return (real,)
 
@@ -248,8 +248,6 @@ def copy_input(path: str | Path, dest: Path, *, what: str, roots: Sequence[Path]
                     break
                 out.write(block)
                 done += len(block)
-            out.flush()
-            os.fsync(out.fileno())
         return done
 
 

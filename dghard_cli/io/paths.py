@@ -5,7 +5,8 @@ report, a recipe's report) is resolved (every symlink followed, ``..`` collapsed
 before anything is written, when it
 
 - is an input file, or lies inside an input directory (a shard, a config, a results file: the
-  tool would overwrite what it reads), or is a directory that contains an input;
+  tool would overwrite what it reads), or is a directory replaced as a whole (OUT) that
+  contains an input;
 - is the same path as another output of the same run, or a file inside an output directory
   that the command itself writes there (``--report OUT/README.md`` would be overwritten by the
   model card, ``--report OUT/model.safetensors`` would replace a shard).
@@ -65,6 +66,8 @@ class Output:
     writes: frozenset[str] = field(default_factory=frozenset)
     #: for a directory: prefixes/suffixes of names it writes, as (prefix, suffix) pairs
     patterns: tuple[tuple[str, str], ...] = ()
+    #: the directory is replaced as a whole (OUT): it may not even contain an input
+    replaces: bool = False
 
     def claims(self, rel: str) -> bool:
         return rel in self.writes or any(rel.startswith(p) and rel.endswith(s) for p, s in self.patterns)
@@ -92,7 +95,7 @@ def check_outputs(inputs: Sequence[tuple[str, str | Path | None]], outputs: Sequ
                 raise InputError(
                     f"{o.label} {o.path} lies inside {label} {given}; write outputs outside the inputs"
                 )
-            if is_within(r, real) and (o.is_dir or os.path.isdir(real)):
+            if is_within(r, real) and (o.replaces or (not o.is_dir and os.path.isdir(real))):
                 raise InputError(
                     f"{o.label} {o.path} contains {label} {given}; write outputs outside the inputs"
                 )

@@ -29,6 +29,7 @@ import torch
 from dghard_cli.errors import InputError
 from dghard_cli.io import files
 from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.io.output import list_side_files
 from dghard_cli.methods import recall as R
 
 MAX_CALIB_BYTES = 64 * 1024 * 1024
@@ -283,6 +284,8 @@ def recall_weights(
 ) -> RecallWeights:
     """Run BASE and the fine-tunes (one at a time) and compute the per-layer weights."""
     _import_transformers()
+    for ck in (base, *fts):  # transformers reads these itself: check them as every input is
+        list_side_files(ck.path, set(ck.shards), ck.roots)
     pool, source = load_pool(calib)
     vocab = _vocab_size([base, *fts])
     tokens = Tokens([base.path, *[f.path for f in fts]], vocab, opts.max_tokens)

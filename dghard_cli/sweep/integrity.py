@@ -14,7 +14,8 @@ into OUT. So the sweep takes a :func:`snapshot` of the candidate right after wri
 After each evaluation :func:`changed` compares the cheap fields (the candidate is then reported
 ``failed`` and its results discarded); before the winner is moved into OUT
 :func:`verify_hashes` re-reads it against the recorded sha256 (a mismatch: the winner is
-written again).
+written again) — which also catches a change made within the file system's timestamp
+granularity (a few milliseconds) of the snapshot.
 """
 
 from __future__ import annotations

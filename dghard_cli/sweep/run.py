@@ -321,7 +321,7 @@ class _Sweep:
         )
         given = [("--base-results", self.opts.base_results)]
         given += [("--ft-results", r) for r in self.opts.ft_results]
-        check_outputs(given, [Output("OUT", self.out, is_dir=True)])
+        check_outputs(given, [Output("OUT", self.out, is_dir=True, replaces=True)])
         if self.stage.exists() and not self.stage.is_dir():
             raise InputError(f"{self.stage} exists and is not a directory; remove it")
         n = len(self.ft_cks)
