@@ -29,8 +29,10 @@ from dghard_cli.engine.ops import JobInputs, base_record
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.progress import Progress
 from dghard_cli.engine.runner import inputs_doc
+from dghard_cli.engine.working_memory import check_jobs
 from dghard_cli.errors import InputError
 from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.methods.dg_hard import delta_spectrum
 from dghard_cli.report import build as report_mod
 from dghard_cli.report import plots
@@ -39,6 +41,8 @@ from dghard_cli.spectral.spectrum import ROUTE, ShrinkSpec
 
 #: Matrices whose spectra are plotted when plots are asked for and ``matrices`` is not given.
 DEFAULT_PLOTTED = 4
+#: The files ``--plot`` writes (prefix, suffix): no other output may take these names.
+PLOT_NAMES = (("heatmap_", ".png"), ("spectrum_", ".png"))
 
 
 @dataclass
@@ -129,7 +133,14 @@ def inspect_pair(base: str | Path, ft: str | Path, options: InspectOptions | Non
     base_ck = open_checkpoint(str(base), revision=opts.base_revision, label="BASE")
     ft_ck = open_checkpoint(str(ft), revision=opts.ft_revision, label="FT")
     try:
+        outputs = []
+        if opts.html is not None:
+            outputs.append(Output("--html", Path(opts.html)))
+        if opts.plot_dir is not None:
+            outputs.append(Output("--plot", Path(opts.plot_dir), is_dir=True, patterns=PLOT_NAMES))
+        check_outputs([("BASE", base_ck.path), ("FT", ft_ck.path)], outputs)
         plan = build_plan(base_ck, [ft_ck], opts.policy)
+        check_jobs(plan.jobs, method="dg-hard", spectral=True, device=device)
         timings = {"plan": time.perf_counter() - t_start}
         method_jobs = [j for j in plan.jobs if j.runs_method]
         progress = Progress(

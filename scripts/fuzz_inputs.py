@@ -6,8 +6,16 @@ JSON edits, hostile values) and runs a library entry point on it. The only accep
 are success or a ``DGHardError`` (the CLI's one-line exit-2/3 message); any other exception is
 a bug, printed with the case's seed so it can be replayed with ``--seed S --cases 1``.
 
-    python scripts/fuzz_inputs.py --cases 2000          # a long pass
-    python scripts/fuzz_inputs.py --cases 200 --seed 7  # what the test suite runs
+The ``filesystem`` target mutates the file system and the paths instead of bytes (see
+:mod:`fuzz_fs`): symlinks to every kind of target, FIFOs, devices, directories where files
+belong, shard names that collide with the tool's own outputs, outputs pointed at inputs, and
+sizes at the edges. Each of its mutations says which outcome it must have (a symlink out of the
+checkpoint must be refused, not followed), and every case is checked for hangs (a per-case
+alarm), secrets in the output, modified inputs and leftovers beside OUT.
+
+    python scripts/fuzz_inputs.py --cases 2000                       # a long pass, every target
+    python scripts/fuzz_inputs.py --cases 3000 --targets filesystem  # the file-system families
+    python scripts/fuzz_inputs.py --cases 200 --seed 7               # what the test suite runs
 """
 
 from __future__ import annotations
@@ -30,6 +38,9 @@ sys.path.insert(0, str(REPO))
 
 from dghard_cli.errors import DGHardError  # noqa: E402
 from dghard_cli.testing.synthetic import ArchConfig, make_pair  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fuzz_fs  # noqa: E402
 
 CFG = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=40)
 
@@ -272,8 +283,14 @@ def _recipe_target():
     return prepare, mutate, execute
 
 
-def fuzz(cases: int, seed: int, *, verbose: bool = False) -> dict:
-    """Run ``cases`` mutated inputs; returns counts (``unexpected`` must be 0)."""
+TARGETS = ("checkpoint", "adapter", "recipe", "filesystem")
+
+
+def fuzz(cases: int, seed: int, *, verbose: bool = False, only: list[str] | None = None) -> dict:
+    """Run ``cases`` mutated inputs; returns counts (``unexpected`` must be 0).
+
+    ``only``: the targets to run (default: all of :data:`TARGETS`), taken in turn.
+    """
     rng_master = random.Random(seed)
     targets: list[tuple[str, Callable, Callable, Callable]] = [
         ("checkpoint", lambda root: None, mutate_checkpoint, run_repair)
@@ -282,7 +299,14 @@ def fuzz(cases: int, seed: int, *, verbose: bool = False) -> dict:
         t = factory()
         if t is not None:
             targets.append((name, *t))
+    targets.append(("filesystem", fuzz_fs.prepare, fuzz_fs.mutate, fuzz_fs.execute))
+    if only:
+        unknown = [t for t in only if t not in TARGETS]
+        if unknown:
+            raise SystemExit(f"unknown target {unknown[0]!r}; targets: {', '.join(TARGETS)}")
+        targets = [t for t in targets if t[0] in only]
     outcomes: Counter = Counter()
+    families: dict[str, Counter] = {}
     failures: list[str] = []
     with tempfile.TemporaryDirectory(prefix="dghard-fuzz-") as tmp:
         template = Path(tmp) / "template"
@@ -296,22 +320,31 @@ def fuzz(cases: int, seed: int, *, verbose: bool = False) -> dict:
             root = Path(tmp) / f"case{i}"
             shutil.copytree(template, root, symlinks=True)
             kind = mutate(rng, root)
+            outcome = "ok"
             try:
-                execute(root)
-                outcomes[f"{name}: ok"] += 1
+                with fuzz_fs.deadline(fuzz_fs.CASE_SECONDS):
+                    execute(root)
             except DGHardError as exc:
-                outcomes[f"{name}: {type(exc).__name__}"] += 1
+                outcome = type(exc).__name__
                 if "\n" in str(exc):
                     failures.append(f"case {i} seed {case_seed} ({kind}): multi-line message: {exc!r}")
             except Exception as exc:  # noqa: BLE001 - this is what we hunt for
+                outcome = "unexpected"
                 failures.append(f"case {i} seed {case_seed} ({kind}): {type(exc).__name__}: {exc}")
                 if verbose:
                     traceback.print_exc()
-            shutil.rmtree(root, ignore_errors=True)
+            outcomes[f"{name}: {outcome}"] += 1
+            if name == "filesystem":
+                families.setdefault(kind.split(":")[0], Counter())[outcome] += 1
+                problem = fuzz_fs.check(root, kind, outcome)
+                if problem and outcome != "unexpected":
+                    failures.append(f"case {i} seed {case_seed} ({kind}): {problem}")
+            fuzz_fs.cleanup(root)
     return {
         "cases": cases,
         "targets": [t[0] for t in targets],
         "outcomes": dict(outcomes),
+        "filesystem_families": {k: dict(v) for k, v in sorted(families.items())},
         "unexpected": len(failures),
         "failures": failures,
     }
@@ -322,9 +355,11 @@ def main() -> None:
     ap.add_argument("--cases", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--verbose", action="store_true")
+    ap.add_argument("--targets", default=None, help=f"comma-separated subset of {', '.join(TARGETS)}")
     args = ap.parse_args()
     t0 = time.time()
-    res = fuzz(args.cases, args.seed, verbose=args.verbose)
+    only = [t.strip() for t in args.targets.split(",")] if args.targets else None
+    res = fuzz(args.cases, args.seed, verbose=args.verbose, only=only)
     for line in res["failures"]:
         print("UNEXPECTED", line)
     print(json.dumps({k: v for k, v in res.items() if k != "failures"}, indent=2))

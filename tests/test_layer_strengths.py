@@ -555,3 +555,28 @@ def test_schedule_parsing_units():
     with pytest.raises(InputError, match="not both"):
         schedule_from_recipe({"lines": "1,2", "layer_strengths": "embed=1"}, "recipe x")
     assert math.isclose(schedule_from_recipe({"lines": "0.1,0.2"}, "r").beta, 0.2)
+
+
+@pytest.mark.parametrize("piece_elems, chunk_elems", [(13, 10), (5, 1 << 20), (1 << 20, 7)])
+def test_schedule_on_blocks_that_split_rows(tmp_path, piece_elems, chunk_elems):
+    """The wrapped operation may yield pieces of the flattened tensor that do not end on a row
+    (passthrough streams a 1×N matrix that way); the schedule follows the elements, not rows."""
+    from dghard_cli.engine.ops import JobInputs, passthrough
+    from dghard_cli.engine.plan import TensorJob
+    from dghard_cli.io.checkpoint import Checkpoint
+    from dghard_cli.methods.schedule import ScheduledOp
+
+    base, ft, b, f = pair(tmp_path, "llama", "float32")
+    name = "model.layers.1.mlp.up_proj.weight"
+    bck, fck = Checkpoint(base), Checkpoint(ft)
+    try:
+        bi, fi = bck.tensors[name], fck.tensors[name]
+        job = TensorJob(name, "method", None, fi.shape, "F32", base=bi, fts=[fi], layer=1, strength=0.4)
+        assert fi.shape[1] % min(piece_elems, chunk_elems) != 0  # pieces end inside rows
+        op = ScheduledOp(lambda j, s, r: passthrough(j, s, r, chunk_bytes=8 * piece_elems), 8 * chunk_elems)
+        blocks = list(op(job, JobInputs(job, None), {}))
+    finally:
+        bck.close()
+        fck.close()
+    out = torch.cat([blk.reshape(-1) for blk in blocks]).reshape(fi.shape)
+    assert_rounded(out, f64(b[name]) + 0.4 * (f64(f[name]) - f64(b[name])), name)

@@ -12,4 +12,7 @@ from dghard_cli.cli.common import app
 
 
 def entrypoint() -> None:
+    from dghard_cli.cli import interrupts
+
+    interrupts.KEEP_IGNORING = True  # the process ends with the command: no handler to restore
     app()

@@ -7,7 +7,6 @@ tensor); 3 runtime failure (out of memory, disk full, interrupted: the output is
 from __future__ import annotations
 
 import json
-import signal
 import sys
 import traceback
 from collections.abc import Callable
@@ -18,6 +17,8 @@ from rich.console import Console
 from rich.text import Text
 
 from dghard_cli import __version__
+from dghard_cli.cli import interrupts
+from dghard_cli.cli.interrupts import InterruptGuard
 from dghard_cli.cli.progress import RichBar
 from dghard_cli.engine.memory import limit_allocator_retention
 from dghard_cli.engine.progress import set_terminal_bar
@@ -72,13 +73,14 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
-def _on_sigterm(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def run_cli(fn: Callable[[], Any], *, verbose: bool) -> Any:
-    """Run a command body, mapping errors to one-line messages and exit codes."""
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    """Run a command body, mapping errors to one-line messages and exit codes.
+
+    SIGINT and SIGTERM interrupt it once (:mod:`dghard_cli.cli.interrupts`): later signals
+    are ignored so the cleanup finishes and the exit code is 3.
+    """
+    guard = InterruptGuard(keep_ignoring=interrupts.KEEP_IGNORING)
+    guard.__enter__()
     try:
         return fn()
     except DGHardError as exc:
@@ -94,7 +96,7 @@ def run_cli(fn: Callable[[], Any], *, verbose: bool) -> Any:
             traceback.print_exc()
         _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --verbose for a traceback)", 3)
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        guard.__exit__()
 
 
 def check_failed(reason: str) -> None:

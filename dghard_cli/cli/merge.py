@@ -24,6 +24,7 @@ from dghard_cli.cli.render import render_merge, render_plan
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.methods import registry
@@ -236,9 +237,8 @@ def merge_cmd(**kw) -> None:
         out_dir = pick("out", out)
         if out_dir is None:
             raise InputError("--out is required (or 'out:' in the --config recipe)")
-        kwargs, extra = registry.options_values(
-            _cli_values(kw, values, maps, f"recipe {config}" if config is not None else None)
-        )
+        by_name = _cli_values(kw, values, maps, f"recipe {config}" if config is not None else None)
+        kwargs, extra = registry.options_values(by_name)
         shard = pick("shard_size", kw["shard_size"])
         dt = pick("dtype", kw["dtype"])
         rp = pick("report", kw["report"])
@@ -270,6 +270,14 @@ def merge_cmd(**kw) -> None:
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
         )
+        if rp is not None:  # the recipe and a method's input files (--calib) are inputs too
+            given = [("--config", config)]
+            given += [
+                (q.cli_flag, by_name.get(q.name))
+                for q in registry.params().values()
+                if q.kind == registry.PATH
+            ]
+            check_outputs(given, [Output("--report", Path(rp))])
         return merge(base, fts, Path(out_dir), opts)
 
     doc = run_cli(body, verbose=verbose)

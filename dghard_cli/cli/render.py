@@ -469,9 +469,10 @@ def summary_line(doc: dict) -> str:
 
 
 def render_verify(console: Console, directory, doc: dict) -> None:
+    skipped = f"; not checked: {', '.join(doc['skipped'])}" if doc.get("skipped") else ""
     console.print(
         Text(
             f"{directory}: OK — {doc['tensors']} tensors in {doc['shards']} shard(s), "
-            f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}"
+            f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}{skipped}"
         )
     )

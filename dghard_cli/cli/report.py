@@ -12,6 +12,8 @@ from dghard_cli.cli.render import summary_table
 from dghard_cli.engine.runner import REPORT_NAME
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists, read_json_file
+from dghard_cli.io.files import REPORT_LIMIT
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.report.build import SCHEMA_VERSION
 
 REPORT_EPILOG = """
@@ -32,7 +34,7 @@ def load_report(path: str | Path) -> tuple[Path, dict]:
         p = p / REPORT_NAME
     if not path_exists(p):
         raise InputError(f"{path}: no such report file (expected {REPORT_NAME} or a path to one)")
-    doc = read_json_file(p, "report")
+    doc = read_json_file(p, "report", limit=REPORT_LIMIT)
     if (
         not isinstance(doc, dict)
         or not isinstance(doc.get("summary"), dict)
@@ -72,6 +74,8 @@ def report_cmd(
         out: dict = {"report": str(path), "command": doc.get("command"), "method": doc.get("method")}
         if html is not None:
             from dghard_cli.report.html import write_html
+
+            check_outputs([("REPORT", path)], [Output("--html", Path(html))])
 
             spectra = {
                 name: s["singular_values"]

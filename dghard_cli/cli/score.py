@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -11,6 +12,7 @@ from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, check_fail
 from dghard_cli.cli.render import render_score
 from dghard_cli.errors import InputError
 from dghard_cli.io.atomic import write_json_atomic
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.score.scoring import score_files
 
 SCORE_EPILOG = """
@@ -110,6 +112,10 @@ def score_cmd(
             rp = Path(report).expanduser()
             if not rp.parent.exists():
                 raise InputError(f"--report {report}: directory {rp.parent} does not exist")
+            named = [re.match(r"^([^=/\\]+)=(.+)$", c) for c in candidate]
+            given = [("--base", base), ("--ft", ft)]
+            given += [("--candidate", m.group(2) if m else c) for m, c in zip(named, candidate, strict=True)]
+            check_outputs([(k, v) for k, v in given if v is not None], [Output("--report", rp)])
             write_json_atomic(rp, doc)
         return doc
 

@@ -17,7 +17,7 @@ EPILOG = """
 
     dghard verify ./repaired            # headers, index, report, sha256, NaN/Inf scan
 
-    dghard verify ./repaired --quick    # headers, index and sizes only
+    dghard verify ./repaired --quick    # headers, index and sizes only (says what it skipped)
 """
 
 

@@ -4,7 +4,7 @@ A method (``dghard_cli.methods``) is a :data:`TensorOp`: it gets a job (one outp
 the plan), its :class:`JobInputs` (the inputs, prefetched or read in row blocks on demand) and a
 record to fill, and yields the output's blocks in order. The helpers here are the ones every
 operation needs: :func:`passthrough` (an input's value, checked finite), :func:`cast_out`
-(to the output dtype), :func:`row_ranges` and :func:`base_record`. The streaming engine
+(to the output dtype), :func:`row_ranges`, :func:`element_spans` and :func:`base_record`. The streaming engine
 (:mod:`dghard_cli.engine.pipeline`) drives the operations; methods never import it.
 """
 
@@ -56,6 +56,20 @@ class JobInputs:
         assert info is not None
         return info
 
+    def raw_span(self, key: str, span: tuple[int, int] | None) -> torch.Tensor:
+        """Raw bytes of elements ``[e0, e1)`` of the flattened input (None: all of it)."""
+        if span is None:
+            return self.raw(key)
+        info = self.info(key)
+        raw = self._raw.get(key)
+        if raw is None:
+            return info.read_raw_span(span, pin=self.pin)
+        return raw[span[0] * info.itemsize : span[1] * info.itemsize]
+
+    def flat(self, key: str, span: tuple[int, int] | None) -> torch.Tensor:
+        """Elements ``[e0, e1)`` of the flattened input, decoded (a 1-D tensor)."""
+        return self.raw_span(key, span).view(torch_dtype(self.info(key).dtype))
+
     def raw(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """Raw bytes of ``base`` or ``ft{i}`` (or of rows of it), read now if not prefetched."""
         info = self.info(key)
@@ -98,6 +112,18 @@ def cast_out(t: torch.Tensor, out_dtype: str) -> torch.Tensor:
     return t if t.dtype == target else t.to(target)
 
 
+def element_spans(numel: int, elem_bytes: int, chunk_bytes: int) -> list[tuple[int, int] | None]:
+    """Spans of the flattened tensor of about ``chunk_bytes`` (at ``elem_bytes`` per element).
+
+    Row blocks cannot split a 1×N matrix or a long vector; these can, so memory stays within
+    the block size whatever the shape (None: one piece, the whole tensor).
+    """
+    if numel * elem_bytes <= chunk_bytes:
+        return [None]
+    step = max(1, chunk_bytes // max(1, elem_bytes))
+    return [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
+
+
 def row_ranges(info: TensorInfo, chunk_bytes: int) -> list[tuple[int, int] | None]:
     """Row ranges that split a tensor into pieces of about ``chunk_bytes`` (None: whole)."""
     if not info.shape or info.nbytes <= chunk_bytes or info.shape[0] <= 1:
@@ -109,7 +135,8 @@ def row_ranges(info: TensorInfo, chunk_bytes: int) -> list[tuple[int, int] | Non
 def passthrough(
     job: TensorJob, src: JobInputs, rec: dict, key: str = "ft0", chunk_bytes: int = 64 * 1024 * 1024
 ) -> Iterator[torch.Tensor]:
-    """The input's value (bit-identical when the dtype is unchanged), in row chunks.
+    """The input's value (bit-identical when the dtype is unchanged), in pieces of the
+    flattened tensor (so a 1×N matrix is streamed too), each at most ``chunk_bytes`` of float64.
 
     On the way: non-finite values are refused (naming the tensor), and ‖FT − BASE‖_F is
     recorded when BASE has the same shape.
@@ -119,10 +146,10 @@ def passthrough(
     base = job.base if key != "base" else None
     comparable = base is not None and base.shape == info.shape and is_float and base.dtype in FLOAT_DTYPES
     sumsq = 0.0
-    for rows in row_ranges(info, chunk_bytes):
-        raw = src.raw(key, rows)
+    for span in element_spans(info.numel, 8 if is_float else info.itemsize, chunk_bytes):
+        raw = src.raw_span(key, span)
         if is_float:
-            t = info.decode(raw, rows)
+            t = raw.view(torch_dtype(info.dtype))
             if not bool(torch.isfinite(t).all()):
                 if not src.allow_nonfinite:
                     which = "BASE" if key == "base" else "the fine-tune"
@@ -133,8 +160,9 @@ def passthrough(
                 rec["nonfinite"] = True
                 comparable = False
             if comparable:
-                d = t.to(torch.float64) - src.base(rows).to(torch.float64)
-                sumsq += float(torch.sum(d * d))
+                d = t.to(torch.float64).sub_(src.flat("base", span).to(torch.float64))
+                sumsq += float(torch.dot(d, d))
+                del d
             yield raw if info.dtype == job.out_dtype else cast_out(t, job.out_dtype)
         else:
             yield raw

@@ -201,7 +201,8 @@ def build_plan(
         if b is None:
             jobs.append(TensorJob(name, "kept-ft", "ft-only", info.shape, out_dtype, info.shard, None, infos))
             continue
-        reason = eligible(name, info)
+        # a zero-size tensor (0×N, length 0) has nothing to filter or merge: written as it is
+        reason = "empty" if info.numel == 0 else eligible(name, info)
         if b.shape != info.shape:
             resizable = (
                 len(b.shape) == 2
@@ -244,6 +245,11 @@ def build_plan(
     if base_only:
         notes.append(f"{len(base_only)} tensors only in BASE kept with their base values (--allow-missing)")
 
+    empty = [j.name for j in jobs if j.reason == "empty"]
+    if empty:
+        notes.append(
+            f"{len(empty)} zero-size tensor(s) written as they are (reason 'empty'), e.g. {empty[0]!r}"
+        )
     _tie(jobs, ft0, tie_embeddings, notes)
     shards, write_index = _layout(jobs, ft0, opts)
     return Plan(jobs=jobs, shards=shards, write_index=write_index, notes=notes)

@@ -22,10 +22,12 @@ from dghard_cli.engine.ops import TensorOp, base_record
 from dghard_cli.engine.pipeline import EngineOptions, execute
 from dghard_cli.engine.plan import Plan
 from dghard_cli.engine.progress import Progress
+from dghard_cli.engine.working_memory import check_jobs
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint, path_exists
-from dghard_cli.io.output import INDEX_NAME, OutputStage, check_free_space, check_out_path
+from dghard_cli.io.output import INDEX_NAME, OutputStage, check_free_space, check_out_path, list_side_files
+from dghard_cli.io.paths import RESERVED_NAMES, Output, check_outputs, check_shard_names
 from dghard_cli.io.verify import verify_dir
 from dghard_cli.report import build as report_mod
 
@@ -124,6 +126,22 @@ def write_model(
     rel_report, abs_report = _report_target(out, run.report_path)
     if abs_report is not None and not path_exists(abs_report.parent):
         raise InputError(f"--report {run.report_path}: directory {abs_report.parent} does not exist")
+    check_jobs(plan.jobs, method=method, spectral=spectral, device=device)
+    where = fts[0].path / (fts[0].index_file or "")
+    check_shard_names(plan.shards, f"FT {where}" if fts[0].index_file else f"FT {fts[0].path}")
+    side = list_side_files(fts[0].path, set(fts[0].shards), fts[0].roots)
+    if run.report_path is not None:
+        writes = (RESERVED_NAMES | set(plan.shards) | {n for n, _ in side}) - {REPORT_NAME}
+        check_outputs(
+            [
+                ("BASE", base.path),
+                *[("FT" if len(fts) == 1 else f"FT #{k}", f.path) for k, f in enumerate(fts, 1)],
+            ],
+            [
+                Output("OUT", out, is_dir=True, writes=frozenset(writes), replaces=True),
+                Output("--report", Path(run.report_path)),
+            ],
+        )
 
     common = dict(
         command=command,
@@ -147,7 +165,7 @@ def write_model(
         doc["summary"]["dry_run"] = True
         return doc
 
-    check_free_space(out, plan.out_bytes)
+    check_free_space(out, plan.out_bytes + sum(size for _, size in side))
     fp = fingerprint(command, method, parameters, plan, [base, *fts])
     stage = OutputStage(out, fp, resume=run.resume)
     progress = Progress(plan.out_bytes, len(plan.jobs), label=f"{command} {method}", quiet=run.quiet)
@@ -168,6 +186,7 @@ def write_model(
         )
     except KeyboardInterrupt:
         progress.close()
+        stage.lock.release()
         raise Interrupted(
             f"interrupted; finished shards are kept in {stage.dir}",
             hint="run the same command again to resume",
@@ -178,18 +197,21 @@ def write_model(
         raise
     except MemoryError:
         progress.close()
+        stage.lock.release()
         raise RuntimeFailure(
             f"out of memory; finished shards are kept in {stage.dir}",
             hint="rerun the same command (smaller blocks: --device cpu frees GPU memory)",
         ) from None
     except torch.cuda.OutOfMemoryError:
         progress.close()
+        stage.lock.release()
         raise RuntimeFailure(
             f"CUDA out of memory; finished shards are kept in {stage.dir}",
             hint="rerun the same command, or with --device cpu",
         ) from None
     except OSError as exc:
         progress.close()
+        stage.lock.release()
         raise RuntimeFailure(
             f"I/O error ({exc.strerror or exc}); finished shards are kept in {stage.dir}",
             hint="fix the cause (disk full?) and run the same command again to resume",
@@ -198,13 +220,16 @@ def write_model(
     timings["process"] = time.perf_counter() - t0
 
     t1 = time.perf_counter()
-    if plan.write_index:
-        weight_map = {j.name: j.shard for j in plan.jobs}
-        stage.write_json(
-            INDEX_NAME,
-            {"metadata": {"total_size": plan.out_bytes}, "weight_map": dict(sorted(weight_map.items()))},
-        )
-    copied = stage.copy_side_files(fts[0].path, set(fts[0].shards))
+    try:
+        if plan.write_index:
+            weight_map = {j.name: j.shard for j in plan.jobs}
+            stage.write_json(
+                INDEX_NAME,
+                {"metadata": {"total_size": plan.out_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+            )
+        copied = stage.copy_side_files(fts[0].path, set(fts[0].shards), fts[0].roots)
+    except OSError as exc:
+        raise _io_failure(exc, stage, "copying the fine-tune's side files") from None
     expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
     verify_dir(stage.dir, expected=expected)
     timings["verify"] = time.perf_counter() - t1
@@ -228,15 +253,33 @@ def write_model(
         extra=extra,
         **common,
     )
-    if rel_report is not None:
-        target = stage.dir / rel_report
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    stage.write_text("README.md", report_mod.model_card(doc))
+    try:
+        if rel_report is not None:
+            target = stage.dir / rel_report
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+        stage.write_text("README.md", report_mod.model_card(doc))
+    except OSError as exc:
+        raise _io_failure(exc, stage, "writing the report and model card") from None
     try:
         stage.finalize(overwrite=run.overwrite)
     except OSError as exc:
+        stage.lock.release()
         raise RuntimeFailure(f"could not move {stage.dir} to {out}: {exc.strerror or exc}") from None
     if abs_report is not None:
-        write_json_atomic(abs_report, doc)
+        try:
+            write_json_atomic(abs_report, doc)
+        except OSError as exc:
+            raise RuntimeFailure(
+                f"{out} is complete, but writing --report {abs_report} failed ({exc.strerror or exc})"
+            ) from None
     return doc
+
+
+def _io_failure(exc: OSError, stage: OutputStage, doing: str) -> RuntimeFailure:
+    """Disk full, permission denied … after the shards were written: exit 3, resumable."""
+    stage.lock.release()
+    return RuntimeFailure(
+        f"I/O error while {doing} ({exc.strerror or exc}); finished shards are kept in {stage.dir}",
+        hint="fix the cause (disk full?) and run the same command again to resume",
+    )

@@ -2,7 +2,7 @@
 never a half-written one.
 
 Every file that is replaced in place (reports, journals, caches) is written next to its target
-as ``NAME.tmp`` and renamed over it; an output directory is moved into place by
+as ``NAME.tmp`` (created afresh, never written through) and renamed over it; an output directory is moved into place by
 :func:`swap_dir_into_place`, which keeps the previous OUT aside until the rename succeeded.
 """
 
@@ -11,25 +11,36 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 
 from dghard_cli.errors import InputError
+from dghard_cli.io import files
 
 
 def _tmp(path: Path) -> Path:
-    return path.with_name(path.name + ".tmp")
+    """``NAME.tmp`` beside ``path``, removed first: a leftover (or a symlink planted there) is
+    never written through; the file is then created exclusively."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.unlink(missing_ok=True)
+    return tmp
 
 
 def write_text_atomic(path: Path, text: str, *, fsync: bool = False) -> Path:
-    """Write ``text`` (UTF-8) to ``path`` through ``path.tmp`` and a rename."""
+    """Write ``text`` (UTF-8) to ``path`` through ``path.tmp`` and a rename (``path.tmp`` is
+    removed when writing fails: disk full, permission denied)."""
     path = Path(path)
     tmp = _tmp(path)
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        if fsync:
-            fh.flush()
-            os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "x", encoding="utf-8") as fh:
+            fh.write(text)
+            if fsync:
+                fh.flush()
+                os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
@@ -38,10 +49,18 @@ def write_json_atomic(path: Path, doc: object, **dumps) -> Path:
     return write_text_atomic(path, json.dumps(doc, indent=2, **dumps) + "\n")
 
 
-def copy_file_atomic(source: Path, target: Path) -> Path:
+def copy_file_atomic(
+    source: Path, target: Path, *, what: str = "file", roots: Sequence[Path] | None = None
+) -> Path:
+    """Copy ``source`` in full to ``target`` atomically; the source is read through the
+    file-access layer (:func:`dghard_cli.io.files.copy_input`: a regular file, inside ``roots``)."""
     tmp = _tmp(Path(target))
-    shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
+    try:
+        files.copy_input(source, tmp, what=what, roots=roots)
+        os.replace(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return Path(target)
 
 

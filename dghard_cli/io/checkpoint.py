@@ -14,15 +14,16 @@ read on their own, so tall matrices (embeddings) are streamed in blocks.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from dghard_cli.errors import InputError
+from dghard_cli.io import files
 from dghard_cli.io.safetensors_format import DTYPES, FLOAT_DTYPES, ShardHeader, parse_header, torch_dtype
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
@@ -44,15 +45,24 @@ class FileReader:
     mapping, so only the buffers count towards resident memory.
     """
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, roots: Sequence[Path] | None = None, size: int | None = None) -> None:
         self.path = path
+        self.roots = roots
+        self.size = size  # the size seen when the header was validated
         self._fd: int | None = None
         self._lock = threading.Lock()
 
     def _get_fd(self) -> int:
         with self._lock:
             if self._fd is None:
-                self._fd = os.open(self.path, os.O_RDONLY)
+                f = files.open_input(self.path, what="shard", roots=self.roots)
+                if self.size is not None and f.size != self.size:
+                    f.close()
+                    raise InputError(
+                        f"{self.path}: shard changed size ({self.size} -> {f.size} bytes) while dghard "
+                        "was running; rerun on a checkpoint nothing else writes to"
+                    )
+                self._fd = f.detach()
             return self._fd
 
     def read_into(self, view: memoryview, offset: int, what: str) -> None:
@@ -103,6 +113,16 @@ class TensorInfo:
             self.reader.read_into(memoryview(buf.numpy()), self.offset + start, f"tensor {self.name!r}")
         return buf
 
+    def read_raw_span(self, span: tuple[int, int], *, pin: bool = False) -> torch.Tensor:
+        """The raw bytes of elements ``[e0, e1)`` of the flattened tensor (row-major order):
+        a 1×N matrix or a long vector is streamed in pieces this way, as rows cannot split it."""
+        e0, e1 = span
+        size = self.itemsize
+        buf = torch.empty((e1 - e0) * size, dtype=torch.uint8, pin_memory=pin)
+        if buf.numel():
+            self.reader.read_into(memoryview(buf.numpy()), self.offset + e0 * size, f"tensor {self.name!r}")
+        return buf
+
     def decode(self, raw: torch.Tensor, rows: tuple[int, int] | None = None) -> torch.Tensor:
         """View raw bytes (as read by :meth:`read_raw`) as the tensor's dtype and shape."""
         shape = self.shape if rows is None else (rows[1] - rows[0], *self.shape[1:])
@@ -128,21 +148,12 @@ class TensorInfo:
         return self.dtype in FLOAT_DTYPES
 
 
-def read_json_file(path: Path, what: str, limit: int = MAX_JSON_BYTES) -> object:
-    """Read a small JSON file with a size limit; InputError naming the file otherwise."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
-    if size > limit:
-        raise InputError(f"{path}: {what} is {size} bytes, larger than the {limit}-byte limit")
-    try:
-        with open(path, "rb") as fh:
-            return json.loads(fh.read().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"{path}: {what} is not valid JSON ({exc})") from None
-    except OSError as exc:
-        raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+def read_json_file(
+    path: Path, what: str, limit: int = MAX_JSON_BYTES, roots: Sequence[Path] | None = None
+) -> object:
+    """Read a small JSON file through :mod:`dghard_cli.io.files` (a regular file inside
+    ``roots``, size-, depth- and element-limited); InputError naming the file otherwise."""
+    return files.read_json(path, what=what, limit=limit, roots=roots)
 
 
 def path_exists(path: Path) -> bool:
@@ -154,27 +165,16 @@ def path_exists(path: Path) -> bool:
         raise InputError(f"{str(path)[:200]}: cannot be looked up ({exc.strerror})") from None
 
 
-def _is_within(path: Path, root: Path) -> bool:
-    try:
-        path.relative_to(root)
-        return True
-    except ValueError:
-        return False
-
-
-def allowed_root(directory: Path) -> Path:
-    """Where files of this checkpoint may resolve to.
+def allowed_root(directory: Path) -> tuple[Path, ...]:
+    """Where files of this checkpoint may resolve to (:func:`dghard_cli.io.files.input_roots`).
 
     The directory itself; for a Hugging Face cache snapshot (``.../snapshots/<rev>``), whose
-    files are symlinks into ``../../blobs``, the repository's cache folder.
+    files are symlinks into ``../../blobs``, also the cache's blob store.
     """
-    real = directory.resolve()
-    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
-        return real.parent.parent
-    return real
+    return files.input_roots(directory)
 
 
-def _safe_member(directory: Path, name: object, root: Path, what: str) -> Path:
+def _safe_member(directory: Path, name: object, root: Path | Sequence[Path], what: str) -> Path:
     """A file named in an index: a plain file name inside the directory, no escape."""
     if (
         not isinstance(name, str)
@@ -190,8 +190,9 @@ def _safe_member(directory: Path, name: object, root: Path, what: str) -> Path:
             "directory; refusing to read outside it"
         )
     path = directory / name
-    real = path.resolve()
-    if not _is_within(real, root):
+    roots = (root,) if isinstance(root, Path) else tuple(root)
+    real = files.realpath(path)
+    if not any(files.is_within(real, r) for r in roots):
         raise InputError(
             f"{what}: shard {name!r} is a symlink that resolves outside the checkpoint "
             f"directory ({real}); refusing to read it"
@@ -219,6 +220,7 @@ class Checkpoint:
         self.shard_metadata: dict[str, dict[str, str]] = {}
         self.tensors: dict[str, TensorInfo] = {}
         self._readers: dict[str, FileReader] = {}
+        self.roots: tuple[Path, ...] = allowed_root(self.path)
         self._discover()
 
     # -- discovery and validation ---------------------------------------------------------
@@ -232,7 +234,7 @@ class Checkpoint:
             names = sorted(p.name for p in d.iterdir())
         except OSError as exc:
             raise InputError(f"{self.label} {d}: cannot list directory ({exc.strerror})") from None
-        root = allowed_root(d)
+        root = self.roots = allowed_root(d)
         indexes = [n for n in names if n.endswith(".safetensors.index.json")]
         singles = [n for n in names if n.endswith(".safetensors")]
         if "model.safetensors.index.json" in indexes:
@@ -289,11 +291,13 @@ class Checkpoint:
             if not names:
                 raise InputError(f"{self.label} {d}: directory is empty; no checkpoint there")
             raise InputError(f"{self.label} {d}: no .safetensors weights found")
+        if not self.tensors:
+            raise InputError(f"{self.label} {d}: its safetensors files hold no tensors; nothing to read")
         # order tensors by shard, then by position in the file
         self.tensors = dict(sorted(self.tensors.items(), key=lambda kv: (kv[1].shard, kv[1].offset)))
 
     def _read_index(self, path: Path) -> dict[str, str]:
-        doc = read_json_file(path, "safetensors index")
+        doc = read_json_file(path, "safetensors index", roots=self.roots)
         if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
             raise InputError(f"{path}: index has no 'weight_map' object")
         weight_map = doc["weight_map"]
@@ -306,17 +310,17 @@ class Checkpoint:
 
     def _load_shard(self, path: Path, shard: str) -> None:
         where = str(path)
-        if not path.exists():
+        if not os.path.lexists(path):
             raise InputError(f"{where}: shard listed in the index is missing")
         try:
-            size = path.stat().st_size
-            with open(path, "rb") as fh:
+            with files.open_input(path, what="shard", roots=self.roots) as fh:
+                size = fh.size
                 prefix = fh.read(8)
                 header: ShardHeader = parse_header(prefix, fh.read, size, where)
         except OSError as exc:
             raise InputError(f"{where}: cannot read ({exc.strerror})") from None
         self.shard_metadata[shard] = header.metadata
-        reader = self._readers.setdefault(shard, FileReader(path))
+        reader = self._readers.setdefault(shard, FileReader(path, self.roots, size))
         for e in header.entries:
             if e.name in self.tensors:
                 raise InputError(
@@ -342,9 +346,9 @@ class Checkpoint:
     def config(self) -> dict | None:
         """``config.json`` parsed (size-limited), or None if absent."""
         path = self.path / "config.json"
-        if not path.exists():
+        if not os.path.lexists(path):
             return None
-        doc = read_json_file(path, "config.json", limit=16 * 1024 * 1024)
+        doc = read_json_file(path, "config.json", limit=files.CONFIG_LIMIT, roots=self.roots)
         if not isinstance(doc, dict):
             raise InputError(f"{path}: config.json is not a JSON object")
         return doc

@@ -217,7 +217,7 @@ def open_adapter(spec: str, *, revision: str | None = None) -> Adapter:
             f"adapter {path}: no {ADAPTER_WEIGHTS} (a Hub repository may hold only a pickle "
             "adapter_model.bin, which is never downloaded)"
         )
-    raw = read_json_file(config_path, ADAPTER_CONFIG, limit=MAX_CONFIG_BYTES)
+    raw = read_json_file(config_path, ADAPTER_CONFIG, limit=MAX_CONFIG_BYTES, roots=allowed_root(path))
     if not isinstance(raw, dict):
         raise InputError(f"{config_path}: adapter_config.json is not a JSON object")
     weights = AdapterWeights(weights_path, source=spec, revision=revision)

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import difflib
 import math
-import re
 from dataclasses import dataclass, field
 
 from dghard_cli.audit.findings import Finding, finding
 from dghard_cli.errors import InputError
 from dghard_cli.io.lora_targets import pattern_key
+from dghard_cli.io.patterns import pattern_problem, reset_budgets
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -155,17 +155,16 @@ def _check_rank(value: object, what: str, where: str) -> int:
 
 
 def _valid_regex(pattern: str) -> str | None:
-    try:
-        re.compile(pattern)
-    except re.error as exc:
-        return str(exc)
-    return None
+    """Why a config's regex cannot be used (None: it can): invalid, or able to hang the matcher
+    (:func:`dghard_cli.io.patterns.pattern_problem`)."""
+    return pattern_problem(pattern)
 
 
 def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
     """Validate ``adapter_config.json``; absurd values raise InputError, the rest are findings."""
     if not isinstance(raw, dict):
         raise InputError(f"{where}: adapter_config.json is not a JSON object")
+    reset_budgets()
     cfg = LoraConfig()
     out: list[Finding] = []
 
@@ -233,7 +232,7 @@ def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
         if isinstance(v, str):
             err = _valid_regex(v)
             if err:
-                invalid(key, f"{key} {v!r} is not a valid regular expression ({err}); PEFT fails to load it.")
+                invalid(key, f"{key} {v!r} cannot be matched: {err}; PEFT fails (or hangs) on it.")
                 continue
             setattr(cfg, key, v)
         elif isinstance(v, list) and all(isinstance(t, str) for t in v):
@@ -265,6 +264,11 @@ def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
             cfg.layers_pattern = list(lp) or None
         else:
             invalid("layers_pattern", f"layers_pattern must be a name or a list of names, not {lp!r}.")
+        bad = [(p, _valid_regex(p)) for p in cfg.layers_pattern or []]
+        bad = [(p, e) for p, e in bad if e]
+        if bad:
+            invalid("layers_pattern", f"layers_pattern {bad[0][0]!r} cannot be matched: {bad[0][1]}.")
+            cfg.layers_pattern = None
 
     for key, is_rank in (("rank_pattern", True), ("alpha_pattern", False)):
         v = raw.get(key)
@@ -277,9 +281,7 @@ def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
         for pat, val in v.items():
             err = _valid_regex(pat)
             if err:
-                invalid(
-                    key, f"{key} key {pat!r} is not a valid regular expression ({err}); PEFT fails on it."
-                )
+                invalid(key, f"{key} key {pat!r} cannot be matched: {err}; PEFT fails (or hangs) on it.")
                 continue
             if is_rank:
                 table[pat] = _check_rank(val, f"rank_pattern[{pat!r}]", where)

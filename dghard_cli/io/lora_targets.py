@@ -8,6 +8,7 @@ import re
 from typing import TYPE_CHECKING
 
 from dghard_cli.architecture import OUTPUT_LAYER_NAMES
+from dghard_cli.io.patterns import bounded, peft_fullmatch, peft_key_match
 
 if TYPE_CHECKING:  # the config module uses pattern_key from here
     from dghard_cli.io.lora_config import LoraConfig
@@ -22,8 +23,9 @@ def pattern_key(patterns: dict, module: str) -> str | None:
     """
     for key in patterns:
         try:
-            if re.match(rf"(.*\.)?({key})$", module):
-                return key
+            with bounded(f"rank_pattern/alpha_pattern key {key!r}", key):
+                if peft_key_match(key, module):
+                    return key
         except re.error:
             continue
     return None
@@ -38,7 +40,8 @@ def layer_index(module: str, layers_pattern: list[str] | None) -> int | None:
     the last ``.<name>.<digits>.`` (``<name>`` from ``layers_pattern`` when given)."""
     if layers_pattern:
         for p in layers_pattern:
-            m = re.match(rf".*\.{p}\.(\d+)\.", module)
+            with bounded(f"layers_pattern {p!r}", p):
+                m = re.match(rf".*\.{p}\.(\d+)\.", module)
             if m:
                 return int(m.group(1))
         return None
@@ -52,7 +55,8 @@ def matches_entry(target: str | list[str], module: str) -> bool:
         if target == "all-linear":
             return module.rsplit(".", 1)[-1] not in OUTPUT_LAYER_NAMES
         try:
-            return re.fullmatch(target, module) is not None
+            with bounded(f"regex {target!r}", target):
+                return peft_fullmatch(target, module)
         except re.error:
             return False
     return list_matches(target, module)

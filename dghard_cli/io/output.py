@@ -15,12 +15,15 @@ import hashlib
 import json
 import os
 import shutil
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
 from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.io import files
 from dghard_cli.io.atomic import swap_dir_into_place, write_text_atomic
 from dghard_cli.io.checkpoint import path_exists
+from dghard_cli.io.lock import OutLock
 from dghard_cli.io.safetensors_format import build_header
 
 JOURNAL = "dghard_journal.jsonl"
@@ -30,7 +33,8 @@ INDEX_NAME = "model.safetensors.index.json"
 #: Files copied from the fine-tune next to the weights (configs, tokenizer, chat template).
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
 SIDE_FILE_SKIP = {"dghard_report.json", "sweep_report.json", "README.md"}
-SIDE_FILE_MAX = 64 * 1024 * 1024
+#: Room left free on OUT's filesystem beyond the bytes to write (metadata, journal, reports).
+FREE_SPACE_MARGIN = 64 * 1024 * 1024
 
 
 def staging_dir(out: Path) -> Path:
@@ -70,12 +74,49 @@ def check_free_space(out: Path, needed: int) -> None:
         free = shutil.disk_usage(parent).free
     except OSError:
         return
-    margin = 64 * 1024 * 1024
+    margin = FREE_SPACE_MARGIN
     if free < needed + margin:
         raise InputError(
-            f"output {out}: needs about {needed / 1e9:.2f} GB but {parent} has "
-            f"{free / 1e9:.2f} GB free; free space or choose another OUT"
+            f"output {out}: needs {_fmt_bytes(needed + margin)} free ({_fmt_bytes(needed)} to write plus "
+            f"a {_fmt_bytes(margin)} safety margin) but {parent} has {_fmt_bytes(free)} free; "
+            "free space or choose another OUT"
         )
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.2f} {unit}"
+        n /= 1000
+    return f"{n:.2f} TB"  # pragma: no cover
+
+
+def list_side_files(
+    source_dir: Path, weight_names: set[str], roots: tuple[Path, ...] | None = None
+) -> list[tuple[str, int]]:
+    """The fine-tune's side files to copy (config, tokenizer, chat template …) and their sizes.
+
+    Each is checked as every input is (:func:`dghard_cli.io.files.check_input_file`): a symlink
+    out of the checkpoint, a FIFO, a device or a directory under a side file's name is an
+    InputError, before anything is written. Sizes are unlimited: side files are copied in full.
+    """
+    out = []
+    try:
+        entries = sorted(Path(source_dir).iterdir())
+    except OSError as exc:
+        raise InputError(f"{source_dir}: cannot list directory ({exc.strerror})") from None
+    for p in entries:
+        name = p.name
+        if (
+            name in weight_names
+            or name in SIDE_FILE_SKIP
+            or name.endswith(".safetensors.index.json")
+            or not name.endswith(SIDE_FILE_SUFFIXES)
+        ):
+            continue
+        st = files.check_input_file(p, what=f"side file {name}", roots=roots)
+        out.append((name, st.st_size))
+    return out
 
 
 @dataclass
@@ -105,7 +146,8 @@ class ShardWriter:
         self._pos = 0  # index into _expected
         self._written = 0  # bytes written of the current tensor
         self._hash = hashlib.sha256()
-        self._fh = open(path, "wb")  # noqa: SIM115 - closed in finish/abort
+        path.unlink(missing_ok=True)  # never write through whatever was left at this name
+        self._fh = open(path, "xb")  # noqa: SIM115 - closed in finish/abort
         self._size = 0
         self._put(header)
         self._skip_empty()
@@ -127,6 +169,8 @@ class ShardWriter:
     def write(self, name: str, data) -> None:
         """Append bytes of tensor ``name`` (must be the tensor due next)."""
         mv = memoryview(data).cast("B")
+        if mv.nbytes == 0:  # a zero-size tensor (already skipped in the layout) or an empty block
+            return
         if self.current != name:
             raise RuntimeFailure(f"internal error: {self.path.name} expected {self.current!r}, got {name!r}")
         left = self._expected[self._pos][1] - self._written
@@ -179,7 +223,15 @@ class OutputStage:
         self.fingerprint = fingerprint
         self.done: dict[str, ShardRecord] = {}
         self.resumed: list[str] = []  # shards verified and kept from an interrupted run
-        self._open(resume)
+        # one run per OUT (before the staging directory is looked at, let alone replaced); the
+        # lock goes with finalize()/discard(), or with this object when a failure drops it
+        self.lock = OutLock(self.out).acquire()
+        weakref.finalize(self, self.lock.release)
+        try:
+            self._open(resume)
+        except BaseException:
+            self.lock.release()
+            raise
 
     def _open(self, resume: bool | None) -> None:
         journal = self.dir / JOURNAL
@@ -187,7 +239,10 @@ class OutputStage:
             same = False
             records: list[dict] = []
             try:
-                lines = journal.read_text(encoding="utf-8").splitlines()
+                text = files.read_text(
+                    journal, what="journal", limit=files.JSON_LIMIT, roots=(files.realpath(self.dir),)
+                )
+                lines = text.splitlines()
                 head = json.loads(lines[0]) if lines else {}
                 same = head.get("fingerprint") == self.fingerprint
                 for line in lines[1:]:
@@ -195,7 +250,7 @@ class OutputStage:
                         records.append(json.loads(line))
                     except ValueError:
                         break  # a torn last line: that shard is redone
-            except (OSError, ValueError, IndexError):
+            except (OSError, ValueError, IndexError, AttributeError, InputError):
                 same = False
             if resume is True and not same:
                 raise InputError(
@@ -246,30 +301,27 @@ class OutputStage:
         path.write_text(text, encoding="utf-8")
         return path
 
-    def copy_side_files(self, source_dir: Path, weight_names: set[str]) -> list[str]:
-        """Copy the fine-tune's config, generation config, tokenizer and chat template files."""
+    def copy_side_files(
+        self, source_dir: Path, weight_names: set[str], roots: tuple[Path, ...] | None = None
+    ) -> list[str]:
+        """Copy the fine-tune's config, generation config, tokenizer and chat template files,
+        each in full, through the file-access layer (OSError while writing propagates)."""
         copied = []
-        for p in sorted(Path(source_dir).iterdir()):
-            name = p.name
-            if (
-                name in weight_names
-                or name in SIDE_FILE_SKIP
-                or name.endswith(".safetensors.index.json")
-                or not name.endswith(SIDE_FILE_SUFFIXES)
-                or not p.is_file()
-            ):
-                continue
-            if p.stat().st_size > SIDE_FILE_MAX:
-                continue
-            shutil.copyfile(p, self.dir / name)
+        for name, _ in list_side_files(source_dir, weight_names, roots):
+            dest = self.dir / name
+            dest.unlink(missing_ok=True)  # a resumed run may have copied it already
+            files.copy_input(Path(source_dir) / name, dest, what=f"side file {name}", roots=roots)
             copied.append(name)
         return copied
 
     def finalize(self, *, overwrite: bool) -> Path:
         """Remove the journal and move the staging directory to OUT atomically."""
         (self.dir / JOURNAL).unlink(missing_ok=True)
-        return swap_dir_into_place(self.dir, self.out, overwrite=overwrite, during="running")
+        out = swap_dir_into_place(self.dir, self.out, overwrite=overwrite, during="running")
+        self.lock.release()
+        return out
 
     def discard(self) -> None:
         """Remove the staging directory (bad input found before any work worth keeping)."""
         shutil.rmtree(self.dir, ignore_errors=True)
+        self.lock.release()

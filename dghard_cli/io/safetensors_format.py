@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dghard_cli.errors import InputError
+from dghard_cli.io.limits import parse_json
 
 #: Largest header the official library accepts (100 MB); larger is refused before reading.
 MAX_HEADER_BYTES = 100_000_000
@@ -145,10 +146,10 @@ def parse_header(prefix: bytes, header_bytes_reader, file_size: int, where: str)
     raw = header_bytes_reader(n)
     if len(raw) != n:
         raise InputError(f"{where}: file ended inside the header (truncated)")
-    try:
-        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_reject_duplicates)
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"{where}: header is not valid JSON ({exc}); the file is corrupt") from None
+    # bounded: a header nests three levels; deeper is corrupt (and would exhaust the stack)
+    doc = parse_json(
+        raw, f"{where}: header", max_depth=8, max_elements=16_000_000, object_pairs_hook=_reject_duplicates
+    )
     if not isinstance(doc, dict):
         raise InputError(f"{where}: header is not a JSON object; the file is corrupt")
 
@@ -158,6 +159,8 @@ def parse_header(prefix: bytes, header_bytes_reader, file_size: int, where: str)
     entries: list[HeaderEntry] = []
     for name, spec in doc.items():
         if name == "__metadata__":
+            if spec is None:  # null: no metadata (the reference safetensors library opens these)
+                continue
             if not isinstance(spec, dict) or not all(
                 isinstance(k, str) and isinstance(v, str) for k, v in spec.items()
             ):
@@ -197,6 +200,12 @@ def parse_header(prefix: bytes, header_bytes_reader, file_size: int, where: str)
             raise InputError(
                 f"{where}: tensor {name!r} shape {shape} x {dtype} is {nbytes} bytes but its "
                 f"data_offsets span {end - begin}"
+            )
+        if math.prod(d for d in shape if d) * DTYPES[dtype][0] >= 2**63:
+            # a zero dimension makes the byte count 0, but no array library can hold the others
+            raise InputError(
+                f"{where}: tensor {name!r} has shape {shape!r}, whose element count overflows "
+                "(the non-zero dimensions multiply past 2^63 bytes)"
             )
         entries.append(HeaderEntry(name, dtype, tuple(shape), begin, end))
 

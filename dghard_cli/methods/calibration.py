@@ -18,6 +18,7 @@ import contextlib
 import gc
 import hashlib
 import json
+import os
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -26,7 +27,9 @@ import numpy as np
 import torch
 
 from dghard_cli.errors import InputError
+from dghard_cli.io import files
 from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.io.output import list_side_files
 from dghard_cli.methods import recall as R
 
 MAX_CALIB_BYTES = 64 * 1024 * 1024
@@ -111,16 +114,17 @@ def load_pool(calib: Path | None) -> tuple[list[str], dict]:
         source = {"source": label}
     else:
         path = Path(calib).expanduser()
-        if not path.is_file():
+        if not os.path.lexists(path):
             raise InputError(f"--calib {calib}: no such file")
-        if path.stat().st_size > MAX_CALIB_BYTES:
-            raise InputError(
-                f"--calib {calib}: larger than {MAX_CALIB_BYTES // 2**20} MiB; pass a few samples"
-            )
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise InputError(f"--calib {calib}: cannot read as UTF-8 text ({exc})") from None
+        with files.open_input(path, what="--calib file") as fh:  # a regular file, not a FIFO
+            if fh.size > MAX_CALIB_BYTES:
+                raise InputError(
+                    f"--calib {calib}: larger than {MAX_CALIB_BYTES // 2**20} MiB; pass a few samples"
+                )
+            try:
+                text = fh.read(MAX_CALIB_BYTES + 1).decode("utf-8")
+            except (OSError, UnicodeDecodeError) as exc:
+                raise InputError(f"--calib {calib}: cannot read as UTF-8 text ({exc})") from None
         samples = _jsonl(text, path) if path.suffix.lower() == ".jsonl" else _paragraphs(text)
         source = {"source": str(path), "sha256": hashlib.sha256(text.encode("utf-8")).hexdigest()}
     samples = [s for s in samples if s.strip()]
@@ -280,6 +284,8 @@ def recall_weights(
 ) -> RecallWeights:
     """Run BASE and the fine-tunes (one at a time) and compute the per-layer weights."""
     _import_transformers()
+    for ck in (base, *fts):  # transformers reads these itself: check them as every input is
+        list_side_files(ck.path, set(ck.shards), ck.roots)
     pool, source = load_pool(calib)
     vocab = _vocab_size([base, *fts])
     tokens = Tokens([base.path, *[f.path for f in fts]], vocab, opts.max_tokens)

@@ -37,6 +37,8 @@ BLOCK_BYTES = 64 * 1024 * 1024
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
 #: fit in this; larger tensors select on the whole delta, then trim row block by row block.
 WHOLE_BYTES = 256 * 1024 * 1024
+#: Elements read at once when TIES ranks the entries tied at its threshold by exact magnitude.
+EXACT_SPAN = 1 << 22
 
 
 def work_dtype(job: TensorJob) -> torch.dtype:
@@ -59,6 +61,18 @@ def merged_numel(job: TensorJob) -> int:
     if rows is None:
         return math.prod(job.shape)
     return rows * math.prod(job.shape[1:])
+
+
+def flat_blocks(job: TensorJob, block_bytes: int, itemsize: int) -> list[tuple[int, int]] | None:
+    """Element spans of the merged part when a single row does not fit in a block (a 1×N
+    matrix, a long vector): row blocks cannot split those. None: row blocks will do."""
+    rows = merged_rows(job)
+    row_elems = max(1, math.prod(job.shape[1:])) if rows is not None else merged_numel(job)
+    if row_elems * itemsize <= block_bytes:
+        return None
+    n = merged_numel(job)
+    step = max(1, block_bytes // itemsize)
+    return [(e0, min(e0 + step, n)) for e0 in range(0, n, step)]
 
 
 def row_blocks(job: TensorJob, block_bytes: int, itemsize: int) -> list[tuple[int, int] | None]:
@@ -149,6 +163,11 @@ class TiesKernel(Kernel):
 
     def prepare(self, i: int, base: torch.Tensor, ft: torch.Tensor) -> None:
         self.sel[i] = T.select_topk((ft - base).abs_(), self.k, self._exact(base, ft))
+        self.masks[i] = T.TopKMask(self.sel[i])
+
+    def prepare_magnitude(self, i: int, magnitude: torch.Tensor, exact: T.ExactMagnitudes) -> None:
+        """As :meth:`prepare`, from |Δ_i| already formed (block by block) and its exact values."""
+        self.sel[i] = T.select_topk(magnitude, self.k, exact)
         self.masks[i] = T.TopKMask(self.sel[i])
 
     def trim_whole(self, i: int, delta: torch.Tensor, exact: T.ExactMagnitudes) -> None:
@@ -251,6 +270,8 @@ class ElementwiseMergeOp:
         self.whole_bytes = max(whole_bytes, block_bytes)
 
     def _read(self, job: TensorJob, src: JobInputs, key: str, rows, wd: torch.dtype) -> torch.Tensor:
+        if isinstance(rows, Span):  # a piece of the flattened tensor
+            return src.flat(key, (rows.start, rows.stop)).to(device=self.device, dtype=wd)
         full = rows is None and job.shared_rows is not None
         r = (0, job.shared_rows) if full else rows
         t = src.base(r) if key == "base" else src.ft(int(key[2:]), r)
@@ -259,12 +280,23 @@ class ElementwiseMergeOp:
     @staticmethod
     def _exact(job: TensorJob, src: JobInputs, i: int) -> T.ExactMagnitudes:
         """|W_i − W_base| in float64 at flat positions, read from the inputs when asked."""
-        rows = (0, job.shared_rows) if job.shared_rows is not None else None
 
         def exact(pos: torch.Tensor) -> torch.Tensor:
-            b = src.base(rows).reshape(-1)[pos].to(torch.float64)
-            f = src.ft(i, rows).reshape(-1)[pos].to(torch.float64)
-            return (f - b).abs()
+            # positions are sorted: read only the span around each group of them, piece by piece
+            pos = pos.cpu()
+            out = torch.empty(pos.numel(), dtype=torch.float64)
+            step = EXACT_SPAN
+            lo = 0
+            while lo < pos.numel():
+                start = int(pos[lo])
+                hi = int(torch.searchsorted(pos, start + step))
+                stop = int(pos[hi - 1]) + 1
+                idx = pos[lo:hi] - start
+                b = src.flat("base", (start, stop))[idx].to(torch.float64)
+                f = src.flat(f"ft{i}", (start, stop))[idx].to(torch.float64)
+                out[lo:hi] = (f - b).abs()
+                lo = hi
+            return out
 
         return exact
 
@@ -275,14 +307,26 @@ class ElementwiseMergeOp:
         itemsize = torch.empty((), dtype=wd).element_size()
         per_entry = itemsize * (n + 2)
         whole = kernel.needs_whole and merged_numel(job) * per_entry <= self.whole_bytes
-        blocks = [None] if whole else row_blocks(job, self.block_bytes, per_entry)
+        blocks: list = [None] if whole else row_blocks(job, self.block_bytes, per_entry)
         if job.shared_rows is not None and whole:
             blocks = [(0, job.shared_rows)]
+        spans = None if whole else flat_blocks(job, self.block_bytes, per_entry)
+        if spans is not None:  # 1×N, long vectors: pieces of the flattened tensor
+            blocks = [Span(a, b) for a, b in spans]
         if kernel.needs_whole and not whole:
-            b = self._read(job, src, "base", None, wd)
+            assert isinstance(kernel, TiesKernel)
+            numel = merged_numel(job)
+            # |Δ_i| whole (TIES selects on it), formed piece by piece: one tensor-sized buffer
+            pieces = [Span(a, b) for a, b in spans] if spans is not None else None
             for i in range(n):
-                kernel.prepare(i, b, self._read(job, src, f"ft{i}", None, wd))
-            del b
+                mag = torch.empty(numel, dtype=wd, device=self.device)
+                for piece in pieces or _row_spans(job, self.block_bytes, itemsize * 3):
+                    lo, hi = (piece.start, piece.stop) if isinstance(piece, Span) else _flat(job, piece)
+                    b = self._read(job, src, "base", piece, wd)
+                    mag[lo:hi] = torch.sub(self._read(job, src, f"ft{i}", piece, wd), b).abs_().reshape(-1)
+                    del b
+                kernel.prepare_magnitude(i, mag, self._exact(job, src, i))
+                del mag
         sumsq = [0.0] * n
         merged_sq = 0.0
         for rows in blocks:
@@ -318,3 +362,34 @@ class ElementwiseMergeOp:
         rec["delta_norm"] = rec["delta_norms"][0]
         rec["merged_delta_norm"] = math.sqrt(merged_sq)
         rec.update(kernel.stats())
+
+
+class Span(tuple):
+    """Elements ``[start, stop)`` of a flattened tensor (a block that is not a row range)."""
+
+    def __new__(cls, start: int, stop: int) -> Span:
+        return super().__new__(cls, (start, stop))
+
+    @property
+    def start(self) -> int:
+        return self[0]
+
+    @property
+    def stop(self) -> int:
+        return self[1]
+
+
+def _row_spans(job: TensorJob, block_bytes: int, per_entry: int) -> list[tuple[int, int]]:
+    """Row ranges covering the merged rows (the whole of a 0-/1-D tensor as one range)."""
+    rows = merged_rows(job)
+    if rows is None:
+        return [Span(0, merged_numel(job))]
+    row_elems = max(1, math.prod(job.shape[1:]))
+    step = max(1, block_bytes // (row_elems * per_entry))
+    return [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
+
+
+def _flat(job: TensorJob, rows: tuple[int, int]) -> tuple[int, int]:
+    """The flat element range of a row range."""
+    row_elems = max(1, math.prod(job.shape[1:]))
+    return rows[0] * row_elems, rows[1] * row_elems

@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dghard_cli.errors import InputError
+from dghard_cli.io import files
 from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.hub import is_hub_id
+from dghard_cli.io.limits import parse_yaml
 from dghard_cli.methods import registry
 
 MAX_RECIPE_BYTES = 1024 * 1024
@@ -140,20 +142,29 @@ def _model(entry: object, where: str, root: Path) -> ModelRef:
 
 def read_yaml_file(path: Path, where: str, limit: int) -> object:
     """A small YAML file read with ``yaml.safe_load`` only (no tag ever runs); a one-line
-    InputError naming ``where`` when it is missing, too large, not UTF-8 or not YAML."""
+    InputError naming ``where`` when it is missing, not a regular file (a FIFO, a device), too
+    large, not UTF-8, not YAML, or when its aliases expand past the limits of
+    :func:`dghard_cli.io.limits.parse_yaml` (an alias bomb)."""
     import yaml
 
-    if not path_exists(path) or not path.is_file():
+    if not path_exists(path) and not os.path.lexists(path):
         raise InputError(f"{where}: no such file")
-    if path.stat().st_size > limit:
-        size = f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit} bytes"
+    size = f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit} bytes"
+    with files.open_input(path, what="YAML file", roots=None) as fh:
+        if fh.size > limit:
+            raise InputError(f"{where}: larger than {size}; it should be a short YAML file")
+        try:
+            data = fh.read(limit + 1)
+        except OSError as exc:
+            raise InputError(f"{where}: cannot read ({exc.strerror})") from None
+    if len(data) > limit:
         raise InputError(f"{where}: larger than {size}; it should be a short YAML file")
     try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
         raise InputError(f"{where}: cannot read as UTF-8 text ({exc})") from None
     try:
-        return yaml.safe_load(text)
+        return parse_yaml(text, where)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -47,7 +48,7 @@ from dghard_cli.architecture import (
     tensor_place,
 )
 from dghard_cli.architecture import unknown_place_message as _unknown
-from dghard_cli.engine.ops import JobInputs, TensorOp, cast_out, passthrough, row_ranges
+from dghard_cli.engine.ops import JobInputs, TensorOp, cast_out, element_spans, passthrough
 from dghard_cli.engine.plan import Eligibility, Plan, PolicyOptions, TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
@@ -211,7 +212,7 @@ def parse_layer_strengths(text: str) -> LayerSchedule:
     text = str(text)
     if "=" not in text:
         path = Path(text).expanduser()
-        if not path.is_file():
+        if not os.path.lexists(path):  # a FIFO or device there: the file layer says so
             raise InputError(
                 f"--layer-strengths {text!r}: no such file, and not GROUP=STRENGTH items "
                 "(e.g. embed=0.2,0-7=0.3,8-15=0.6,head=1)"
@@ -500,22 +501,21 @@ def _all_finite(job: TensorJob, src: JobInputs) -> bool:
         info = src.info(key)
         if info.dtype not in FLOAT_DTYPES:
             continue
-        for rows in row_ranges(info, CHUNK_BYTES):
-            t = info.decode(src.raw(key, rows), rows)
+        for span in element_spans(info.numel, info.itemsize, CHUNK_BYTES):
+            t = src.flat(key, span)
             if not bool(torch.isfinite(t).all()):
                 return False
     return True
 
 
-def _wide(block: torch.Tensor, job: TensorJob) -> torch.Tensor:
-    """A block the wrapped method wrote in float64 (raw bytes when it passed one through)."""
+def _wide(block: torch.Tensor) -> torch.Tensor:
+    """A block the wrapped method wrote in float64 (raw bytes when it passed one through), flat:
+    blocks may be row ranges or pieces of the flattened tensor (a 1×N matrix, a long vector)."""
     if block.dtype == torch.uint8:
         block = block.contiguous().clone().view(torch.float64)
     if block.dtype != torch.float64:
         block = block.to(torch.float64)
-    if len(job.shape) >= 2:
-        return block.reshape(-1, *job.shape[1:])
-    return block.reshape(-1) if job.shape else block.reshape(())
+    return block.reshape(-1)
 
 
 class ScheduledOp:
@@ -539,24 +539,22 @@ class ScheduledOp:
         op = passthrough if (self.inner is None or job.action == "scaled") else self.inner
         scaled_rows = job.shared_rows if job.shared_rows is not None else (job.shape[0] if job.shape else 1)
         row_elems = math.prod(job.shape[1:]) if len(job.shape) >= 1 else 1
-        step = max(1, self.chunk_bytes // (8 * max(1, row_elems)))
-        r = 0
+        scaled = scaled_rows * row_elems  # the scheduled elements come first in row-major order
+        step = max(1, self.chunk_bytes // 8)
+        e = 0
         for block in op(wide_job, src, rec):
-            w = _wide(block, job)
-            if not job.shape:  # a scalar
-                yield self._scale(job, w, src.base().to(torch.float64), lam)
-                continue
-            k = w.shape[0]
+            w = _wide(block)
+            k = w.numel()
             for i in range(0, k, step):
                 piece = w[i : i + step]
-                r0, r1 = r + i, r + i + piece.shape[0]
-                n_sched = max(0, min(r1, scaled_rows) - r0)
+                e0, e1 = e + i, e + i + piece.numel()
+                n_sched = max(0, min(e1, scaled) - e0)
                 if n_sched:
-                    b = src.base((r0, r0 + n_sched)).to(torch.float64)
+                    b = src.flat("base", (e0, e0 + n_sched)).to(torch.float64)
                     yield self._scale(job, piece[:n_sched], b, lam)
-                if n_sched < piece.shape[0]:  # rows the fine-tune added: its values
+                if n_sched < piece.numel():  # rows the fine-tune added: its values
                     yield cast_out(piece[n_sched:], job.out_dtype)
-            r += k
+            e += k
 
     @staticmethod
     def _scale(job: TensorJob, w: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:

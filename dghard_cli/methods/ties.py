@@ -60,6 +60,8 @@ class TopK:
 
 
 _BITS = {torch.float32: (torch.int32, 16), torch.float64: (torch.int64, 48)}
+#: Entries per chunk of the radix histogram (bounds its temporaries).
+_RADIX_CHUNK = 1 << 24
 
 
 def _kth_largest_candidates(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -76,12 +78,17 @@ def _kth_largest_candidates(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, i
         t = torch.kthvalue(flat, n - k + 1).values
         return t, int(torch.count_nonzero(flat > t)), torch.nonzero(flat == t).reshape(-1)
     int_dtype, shift = spec
-    bucket = flat.view(int_dtype) >> shift  # in [0, 2^15] for finite non-negative values
-    counts = torch.bincount(bucket.reshape(-1), minlength=1 << 15)
+    ints = flat.view(int_dtype)
+    # bucket = top 15 value bits, in [0, 2^15) for non-negative values; computed chunk by chunk so
+    # the temporaries stay small however long the tensor (one 1×N matrix is one "row")
+    spans = [(i, min(i + _RADIX_CHUNK, n)) for i in range(0, n, _RADIX_CHUNK)]
+    counts = torch.zeros(1 << 15, dtype=torch.int64, device=flat.device)
+    for i0, i1 in spans:
+        counts += torch.bincount((ints[i0:i1] >> shift).reshape(-1), minlength=1 << 15)
     at_least = torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0])  # entries in buckets >= b
     b = int(torch.nonzero(at_least >= k).reshape(-1)[-1])
     above_bucket = int(at_least[b + 1]) if b + 1 < at_least.numel() else 0
-    pos = torch.nonzero(bucket == b).reshape(-1)
+    pos = torch.cat([torch.nonzero((ints[i0:i1] >> shift) == b).reshape(-1) + i0 for i0, i1 in spans])
     cand = flat[pos]
     t = torch.kthvalue(cand, cand.numel() - (k - above_bucket) + 1).values
     above = above_bucket + int(torch.count_nonzero(cand > t))

@@ -3,14 +3,17 @@ JSON, put on one scale, **points** (0–100), with the metric chosen per task.""
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Iterable, Mapping
+import os
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple, Union
 
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists, read_json_file
+from dghard_cli.io.files import RESULTS_LIMIT, realpath, walk_files
 
 #: Metric names that represent a task, most preferred first.
 METRIC_PRIORITY = ("acc_norm", "acc", "exact_match", "pass@1", "pass_at_1", "mc2", "f1", "em")
@@ -185,8 +188,14 @@ def _stderr_value(v: object) -> float | None:
 
 
 def find_results_file(directory: Path) -> Path:
-    """The lm-evaluation-harness results file under a directory (its newest ``results*.json``)."""
-    found = sorted(p for p in directory.rglob("results*.json") if p.is_file())
+    """The lm-evaluation-harness results file under a directory (its newest ``results*.json``).
+
+    The directory is walked without following symlinked directories; a symlinked file is
+    found here and refused when it is read if it resolves outside the directory.
+    """
+    found = sorted(
+        p for p in walk_files(directory) if fnmatch.fnmatch(p.name, "results*.json") and os.path.isfile(p)
+    )
     if not found:
         raise InputError(
             f"{directory}: no results*.json file in this directory (pass an lm-evaluation-harness "
@@ -202,40 +211,41 @@ def find_results_file(directory: Path) -> Path:
 
 
 def _tasks_to_score(doc: Mapping, subtasks: bool) -> list[str]:
+    """The benchmarks of an lm-eval file, in file order: each top-level task, a group without a
+    score replaced by its subtasks (``subtasks``: every group by its leaves).
+
+    The group graph is walked once, depth first, with one visited set: a group shared by
+    several parents (or a cycle) is expanded the first time it is reached, so a graph that fans
+    out exponentially, or 10^5 tasks, costs time linear in its size and no recursion.
+    """
     results = doc["results"]
     tree = doc.get("group_subtasks")
     tree = tree if isinstance(tree, dict) else {}
-    children = {c for subs in tree.values() if isinstance(subs, list) for c in subs}
+    children = {c for subs in tree.values() if isinstance(subs, list) for c in subs if isinstance(c, str)}
 
     def has_score(t: str) -> bool:
         e = results.get(t)
         return isinstance(e, dict) and bool(_metric_entries(e))
 
-    def leaves(t: str, seen: frozenset = frozenset()) -> list[str]:
-        subs = [s for s in tree.get(t) or [] if isinstance(s, str)]
-        if not subs or t in seen:
-            return [t] if t in results else []
-        out = []
-        for s in subs:
-            out += leaves(s, seen | {t})
-        return out
-
-    def expand(t: str, seen: frozenset = frozenset()) -> list[str]:
-        subs = [s for s in tree.get(t) or [] if isinstance(s, str)]
-        if has_score(t) or not subs or t in seen:
-            return [t]
-        out = []
-        for s in subs:
-            out += expand(s, seen | {t})
-        return out
-
-    top = [t for t in results if t not in children]
-    out: list[str] = []
-    for t in top:
-        for x in leaves(t) if subtasks else expand(t):
-            if x not in out:
-                out.append(x)
-    return out
+    out: dict[str, None] = {}  # an ordered set
+    visited: set[str] = set()
+    for top in (t for t in results if t not in children):
+        stack = [top]
+        while stack:
+            t = stack.pop()
+            if t in visited:
+                continue
+            visited.add(t)
+            subs = (
+                [s for s in tree.get(t) or [] if isinstance(s, str)] if isinstance(tree.get(t), list) else []
+            )
+            if not subs or (not subtasks and has_score(t)):
+                if subtasks and t not in results:
+                    continue
+                out.setdefault(t, None)
+                continue
+            stack.extend(reversed(subs))
+    return list(out)
 
 
 def _apply_scale(raw: dict[str, tuple[float, float | None]], scale: str, source: str) -> tuple[str, dict]:
@@ -260,6 +270,7 @@ def read_results(
     scale: str = "auto",
     subtasks: bool = False,
     label: str = "results",
+    roots: Sequence[Path] | None = None,
 ) -> ResultFile:
     """Read one results file (or an lm-evaluation-harness output directory) on the points scale.
 
@@ -267,11 +278,12 @@ def read_results(
     with the metrics chosen for the base).
     """
     p = Path(path).expanduser()
-    if not path_exists(p):
+    if not os.path.lexists(p) and not path_exists(p):
         raise InputError(f"{label} {path}: no such file or directory")
     if p.is_dir():
+        roots = (realpath(p),)  # files found in a directory must lie inside it
         p = find_results_file(p)
-    doc = read_json_file(p, f"{label} file")
+    doc = read_json_file(p, f"{label} file", limit=RESULTS_LIMIT, roots=roots)
     source = str(p)
     rule = metric if isinstance(metric, MetricRule) else MetricRule.parse(metric)
     if isinstance(doc, dict) and isinstance(doc.get("results"), dict):

@@ -8,8 +8,10 @@ import hashlib
 import json
 from pathlib import Path
 
+from dghard_cli.errors import InputError
 from dghard_cli.io.atomic import copy_file_atomic, write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.io.files import read_json, realpath
 
 
 def digest(doc: object) -> str:
@@ -43,8 +45,8 @@ class Cache:
     def get(self, key: str) -> dict | None:
         path = self.dir / f"{key}.json"
         try:
-            rec = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            rec = read_json(path, what="cache record", roots=(realpath(self.dir),))
+        except InputError:
             return None
         if not isinstance(rec, dict) or rec.get("key") != key:
             return None
@@ -56,7 +58,7 @@ class Cache:
         rec = dict(rec, key=key)
         if results is not None:
             name = f"{key}.results.json"
-            copy_file_atomic(results, self.dir / name)
+            copy_file_atomic(results, self.dir / name, what="results file")
             rec["results"] = name
         else:
             rec["results"] = None

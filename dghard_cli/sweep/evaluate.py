@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shlex
 import signal
 import subprocess
 import time
@@ -24,6 +23,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dghard_cli.errors import InputError
+from dghard_cli.io.files import RESULTS_LIMIT, read_bytes, walk_files
+from dghard_cli.sweep.command import build_command
 
 #: How much of the command's output the report keeps per evaluation.
 LOG_TAIL_LINES = 20
@@ -44,8 +45,9 @@ def check_template(template: str) -> None:
 
 
 def fill_template(template: str, model: Path, output: Path) -> str:
-    """The shell command: placeholders replaced by shell-quoted absolute paths."""
-    return template.replace("{model}", shlex.quote(str(model))).replace("{output}", shlex.quote(str(output)))
+    """The shell command: each placeholder replaced once by a shell-quoted absolute path
+    (:mod:`dghard_cli.sweep.command`: built from the template's tokens, never re-scanned)."""
+    return build_command(template, model=str(model), output=str(output))
 
 
 @dataclass
@@ -145,10 +147,10 @@ def locate_results(output: Path, stdout: Path, *, uses_output: bool) -> Path:
     if output.is_file():
         return output
     if output.is_dir():
-        found = sorted(p for p in output.rglob("results*.json") if p.is_file())
+        found = [p for p in walk_files(output) if p.name.startswith("results") and p.name.endswith(".json")]
         if found:
             return find_results_file(output)
-        any_json = sorted(p for p in output.rglob("*.json") if p.is_file())
+        any_json = sorted(p for p in walk_files(output) if p.name.endswith(".json") and p.is_file())
         if len(any_json) == 1:
             return any_json[0]
         if not any_json:
@@ -158,7 +160,13 @@ def locate_results(output: Path, stdout: Path, *, uses_output: bool) -> Path:
             "results*.json; write one results file"
         )
     if not uses_output:
-        text = stdout.read_text(encoding="utf-8", errors="replace").strip() if stdout.exists() else ""
+        text = (
+            read_bytes(stdout, what="the evaluation's stdout", limit=RESULTS_LIMIT)
+            .decode("utf-8", "replace")
+            .strip()
+            if stdout.exists()
+            else ""
+        )
         if not text:
             raise InputError(
                 "the evaluation printed nothing on stdout (a template without {output} must print the results JSON)"

@@ -44,9 +44,12 @@ from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailu
 from dghard_cli.io.atomic import swap_dir_into_place
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.io.lock import OutLock
 from dghard_cli.io.output import check_out_path
+from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.score.metrics import score_candidates
 from dghard_cli.score.results import MetricRule, ResultFile, Score
+from dghard_cli.sweep import integrity
 from dghard_cli.sweep.cache import Cache, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidate_file import check_entry, load_candidates, parse_candidates
 from dghard_cli.sweep.candidates import Candidate, FamilyEntry
@@ -171,6 +174,9 @@ class _Sweep(EvaluationSteps, SweepReport):
         check_out_path(
             self.out, [self.base_ck.path, *[f.path for f in self.ft_cks]], overwrite=self.opts.overwrite
         )
+        given = [("--base-results", self.opts.base_results)]
+        given += [("--ft-results", r) for r in self.opts.ft_results]
+        check_outputs(given, [Output("OUT", self.out, is_dir=True, replaces=True)])
         if self.stage.exists() and not self.stage.is_dir():
             raise InputError(f"{self.stage} exists and is not a directory; remove it")
         n = len(self.ft_cks)
@@ -289,11 +295,13 @@ class _Sweep(EvaluationSteps, SweepReport):
         regenerated = False
         if winner is not None:
             wdir = self.stage / "winner"
-            if self.on_disk(wdir, winner["key"]) is None:
-                self.emit(
-                    kind="info",
-                    message=f"writing the winner {winner['name']} again (it was not kept on disk)",
-                )
+            kept = self.on_disk(wdir, winner["key"])
+            problem = "it was not kept on disk" if kept is None else None
+            if kept is not None:
+                problem = integrity.verify_hashes(wdir, kept.get("snapshot"))
+                problem = problem and f"it changed on disk: {problem}"
+            if problem:
+                self.emit(kind="info", message=f"writing the winner {winner['name']} again ({problem})")
                 self.write(self.cands[winner["key"]], winner["key"], wdir)
                 regenerated = True
             os.replace(wdir, final)
@@ -320,8 +328,10 @@ class _Sweep(EvaluationSteps, SweepReport):
     def run(self) -> dict:
         self.t0 = time.perf_counter()
         self.validate()
+        lock = OutLock(self.out)
         try:
             self.open_inputs()
+            lock.acquire()
             started = self.stage.exists()
             self.stage.mkdir(parents=True, exist_ok=True)
             self.cache = Cache(self.stage)
@@ -357,6 +367,7 @@ class _Sweep(EvaluationSteps, SweepReport):
                 raise
         finally:
             self.close()
+            lock.release()
 
 
 def sweep(base: str | Path, ft: str | Path, out: str | Path, options: SweepOptions) -> dict:

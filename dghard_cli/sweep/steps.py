@@ -4,7 +4,6 @@ measured, evaluated, scored and kept or dropped."""
 from __future__ import annotations
 
 import datetime as _dt
-import json
 import math
 import os
 import shutil
@@ -14,7 +13,9 @@ from pathlib import Path
 from dghard_cli import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.io.files import read_json, realpath
 from dghard_cli.score.results import ResultFile, read_results
+from dghard_cli.sweep import integrity
 from dghard_cli.sweep.cache import digest, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidates import (
     Candidate,
@@ -51,7 +52,13 @@ class EvaluationSteps:
         cached = rec is not None
         if rec is None:
             self.emit(kind="evaluating", name=what)
+            before = input_identity(ck)
             rec, results = self.run_eval(ck.path.resolve(), what, fixed)
+            if input_identity(ck) != before:
+                raise InputError(
+                    f"the evaluation command modified {what} ({ck.path}) while evaluating it; "
+                    "evaluate {model} without writing into it"
+                )
             rec = self.cache.put(key, rec, results)
             self.run_count += 1
         else:
@@ -107,7 +114,9 @@ class EvaluationSteps:
         if run.status == "ok":
             try:
                 path = locate_results(output, run.stdout, uses_output="{output}" in self.opts.eval_template)
-                rf = read_results(path, metric=self.rule, fixed=fixed, label=f"results of {label}")
+                rf = read_results(
+                    path, metric=self.rule, fixed=fixed, label=f"results of {label}", roots=(realpath(ev),)
+                )
                 if fixed is not None:
                     self._check_complete(rf)
                 results = path
@@ -151,13 +160,16 @@ class EvaluationSteps:
         secs = time.perf_counter() - t0
         self.t["write"] += secs
         info = {"key": key, "seconds": round(secs, 3), "bytes": dir_bytes(target)}
+        info["snapshot"] = integrity.snapshot(target)  # what the evaluation must leave as it is
         write_json(target.parent / f"{target.name}.key", info)
         return info
 
     def on_disk(self, target: Path, key: str) -> dict | None:
         try:
-            info = json.loads((target.parent / f"{target.name}.key").read_text(encoding="utf-8"))
-        except (OSError, ValueError):
+            info = read_json(
+                target.parent / f"{target.name}.key", what="key file", roots=(realpath(self.stage),)
+            )
+        except InputError:
             return None
         return info if isinstance(info, dict) and info.get("key") == key and target.is_dir() else None
 
@@ -185,6 +197,13 @@ class EvaluationSteps:
             winner_bytes = dir_bytes(self.stage / "winner")
             self.disk_peak = max(self.disk_peak, winner_bytes + info["bytes"])
             rec, results = self.run_eval(cdir.resolve(), name, self.base_rf.metrics)
+            tampered = integrity.changed(cdir, info.get("snapshot"))
+            if tampered:
+                rec["status"], results = "failed", None
+                rec["message"] = (
+                    f"the evaluation command changed the candidate it evaluated ({tampered}); its "
+                    "results are discarded (evaluate {model} without writing into it)"
+                )
             rec.update(
                 name=name,
                 params=cand.param_dict,

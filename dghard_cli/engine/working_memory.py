@@ -1,0 +1,89 @@
+"""Shape products checked before any allocation: will one tensor's work fit in memory at all?
+
+The streaming engine bounds memory by the block size for most work, but some of it is a
+function of a tensor's shape, not of the blocks: the spectral methods form the float64 Gram
+matrix of the smaller side (``8·min(m, n)²`` bytes, plus its eigendecomposition), read a wide
+matrix whole, and TIES selects its top-k on the whole ``|Δ|``. A header may declare any shape
+its file (sparse, say) backs — a 10⁶×10⁶ matrix asks for an 8 TB Gram matrix. So before the
+first allocation every job's working set is estimated from its shape and a job that cannot fit
+in the machine's memory is refused with a one-line InputError naming the tensor (exit 2),
+instead of an allocation failure deep inside torch.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterable
+
+import torch
+
+from dghard_cli.engine.plan import TensorJob
+from dghard_cli.errors import InputError
+
+
+def machine_memory(device: torch.device | None = None) -> int | None:
+    """Bytes of memory on ``device`` (physical RAM for the CPU); None when unknown."""
+    if device is not None and device.type == "cuda":
+        try:
+            return int(torch.cuda.get_device_properties(device).total_memory)
+        except (RuntimeError, AssertionError):  # pragma: no cover - no CUDA here
+            return None
+    try:
+        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
+        return None
+
+
+def spectral_bytes(rows: int, cols: int) -> int:
+    """Working set of one spectral pass: the float64 Gram matrix and its eigendecomposition
+    (three ``s×s`` float64 matrices, ``s = min(m, n)``), and a wide matrix read whole (base,
+    fine-tune and the output, float32 or wider)."""
+    s = min(rows, cols)
+    gram = 3 * 8 * s * s
+    wide = 3 * 4 * rows * cols if rows < cols else 0
+    return gram + wide
+
+
+def ties_bytes(job: TensorJob) -> int:
+    """TIES' whole-tensor selection: ``|Δ|`` in the work dtype and the radix buckets beside it."""
+    return 3 * 4 * math.prod(job.shape)
+
+
+def _fmt(n: float) -> str:
+    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
+        if n < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"  # pragma: no cover
+
+
+def check_jobs(
+    jobs: Iterable[TensorJob], *, method: str, spectral: bool, device: torch.device | None = None
+) -> None:
+    """InputError for the first method job whose working set exceeds the machine's memory."""
+    limit = machine_memory(device)
+    if limit is None:
+        return
+    for job in jobs:
+        if not job.runs_method or len(job.shape) != 2:
+            if job.runs_method and method == "ties" and ties_bytes(job) > limit:
+                _refuse(job, ties_bytes(job), limit, "for TIES' top-k selection")
+            continue
+        rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
+        cols = job.shape[1]
+        if spectral or method == "dg-hard":
+            need = spectral_bytes(rows, cols)
+            if need > limit:
+                s = min(rows, cols)
+                _refuse(job, need, limit, f"for its spectrum (the {s}×{s} float64 Gram matrix)")
+        if method == "ties" and ties_bytes(job) > limit:
+            _refuse(job, ties_bytes(job), limit, "for TIES' top-k selection")
+
+
+def _refuse(job: TensorJob, need: int, limit: int, what: str) -> None:
+    shape = "×".join(map(str, job.shape))
+    raise InputError(
+        f"tensor {job.name!r} ({shape}) needs about {_fmt(need)} of memory {what}, more than this "
+        f"machine's {_fmt(limit)}; --exclude it, or run on a machine with more memory"
+    )
