@@ -9,6 +9,8 @@ Methods (Δ_i = W_i − W_base, formed in float32 or wider; the result is cast o
 - ``dare-ties``        W = W_base + λ·disjoint_mean_w(elect_w(DARE_density,seed(Δ_i)))
 - ``recall``           W_l = W_base,l + Σ_i α_{l,i}·Δ_{l,i}, α from hidden-state similarity
 - ``dg-hard``          W = W_base + λ·Σ w_i·Δ_i*, Δ_i* = DG-Hard(Δ_i) on eligible matrices
+- ``slerp``, ``breadcrumbs``, ``breadcrumbs-ties``, ``della``, ``della-linear``, ``model-stock``:
+  see :mod:`dghard_cli.methods.added_methods` (mergekit 0.1.5's definitions)
 
 Elementwise methods apply to every floating tensor present with equal shape in BASE and all
 fine-tunes (norms and biases too); dg-hard filters the eligible matrices (repair's rule:
@@ -32,6 +34,7 @@ from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
+from dghard_cli.methods import added_methods as added
 from dghard_cli.methods.calibration import RecallOptions, recall_weights
 from dghard_cli.methods.dare import CHUNK
 from dghard_cli.methods.merge_ops import (
@@ -47,22 +50,30 @@ from dghard_cli.methods.merge_ops import (
 )
 from dghard_cli.spectral.spectrum import ROUTE, ShrinkSpec
 
-METHODS = ("wise-ft", "task-arithmetic", "ties", "dare", "dare-linear", "dare-ties", "recall", "dg-hard")
+METHODS = (
+    "wise-ft", "task-arithmetic", "ties", "dare", "dare-linear", "dare-ties", "recall", "dg-hard", *added.NAMES
+)  # fmt: skip
 ALIASES = {"dare": "dare-linear"}
 
 #: Which method parameters each method takes (anything else given is an error).
 APPLIES: dict[str, set[str]] = {
     "wise-ft": {"alpha"},
     "task-arithmetic": {"weights", "lambda"},
-    "ties": {"weights", "lambda", "density"},
+    "ties": {"weights", "lambda", "density", "normalize"},
     "dare-linear": {"weights", "lambda", "density", "seed"},
-    "dare-ties": {"weights", "lambda", "density", "seed"},
+    "dare-ties": {"weights", "lambda", "density", "seed", "normalize"},
     "recall": {"calib", "recall"},
     "dg-hard": {"weights", "lambda", "scale"},
+    **{name: set(m.takes) for name, m in added.METHODS.items()},
 }
 
 DEFAULTS = {"alpha": 0.5, "lambda": 1.0, "seed": 0, "scale": 1.0}
 DEFAULT_DENSITY = {"ties": 0.2, "dare-linear": 0.5, "dare-ties": 0.5}
+DEFAULT_DENSITY.update(
+    {n: m.defaults["density"] for n, m in added.METHODS.items() if "density" in m.defaults}
+)
+#: Methods whose weights must be >= 0 (a disjoint mean or sum of elected signs).
+SIGN_ELECTING = {"ties", "dare-ties", *(n for n, m in added.METHODS.items() if m.non_negative_weights)}
 
 
 @dataclass
@@ -78,6 +89,11 @@ class MergeOptions:
     scale: float | None = None
     calib: Path | None = None
     recall: RecallOptions | None = None
+    t: float | None = None  # slerp
+    gamma: float | None = None  # breadcrumbs
+    epsilon: float | None = None  # della
+    filter_wise: bool | None = None  # model-stock
+    normalize: bool | None = None  # ties, dare-ties, breadcrumbs-ties, della: disjoint mean (or sum)
     policy: PolicyOptions = field(default_factory=PolicyOptions)
     run: RunOptions = field(default_factory=RunOptions)
     base_revision: str | None = None
@@ -112,10 +128,11 @@ def resolve_parameters(opts: MergeOptions, n_fts: int) -> dict:
         "scale": opts.scale,
         "calib": opts.calib,
         "recall": opts.recall,
+        **{k: getattr(opts, k) for k in added.OPTION_NAMES},
     }
     for key, value in given.items():
         if value is not None and key not in APPLIES[method]:
-            flag = "--recall-*" if key == "recall" else f"--{key}"
+            flag = "--recall-*" if key == "recall" else added.flag(key)
             raise InputError(f"{flag} does not apply to --method {method} (it takes: {_takes(method)})")
     if n_fts < 1:
         raise InputError("merge needs at least one fine-tuned checkpoint after BASE")
@@ -131,7 +148,7 @@ def resolve_parameters(opts: MergeOptions, n_fts: int) -> dict:
         w = [1.0] * n_fts if opts.weights is None else [_finite("weights", x) for x in opts.weights]
         if len(w) != n_fts:
             raise InputError(f"--weights has {len(w)} value(s) but {n_fts} fine-tune(s) were given")
-        if method in ("ties", "dare-ties"):
+        if method in SIGN_ELECTING:
             if any(x < 0 for x in w):
                 raise InputError(
                     f"--method {method} takes weights >= 0 (a disjoint mean with negative weights is "
@@ -162,12 +179,13 @@ def resolve_parameters(opts: MergeOptions, n_fts: int) -> dict:
     if method == "recall":
         p.update((opts.recall or RecallOptions()).describe())
         p["calib"] = str(opts.calib) if opts.calib is not None else None
+    added.resolve(method, given, n_fts, p)
     return p
 
 
 def _takes(method: str) -> str:
     names = sorted(APPLIES[method])
-    return ", ".join("--recall-* options" if n == "recall" else f"--{n}" for n in names)
+    return ", ".join("--recall-* options" if n == "recall" else added.flag(n) for n in names)
 
 
 def merge_eligibility(policy: PolicyOptions) -> Eligibility:
@@ -214,7 +232,9 @@ def _make_op(method: str, p: dict, opts: MergeOptions, recall_w, device):
         return ElementwiseMergeOp(lambda job: TaskArithmeticKernel(p["weights"], p["lambda"]), device, bb)
     if method == "ties":
         return ElementwiseMergeOp(
-            lambda job: TiesKernel(p["weights"], p["lambda"], p["density"], merged_numel(job)),
+            lambda job: TiesKernel(
+                p["weights"], p["lambda"], p["density"], merged_numel(job), normalize=p["normalize"]
+            ),
             device,
             bb,
             opts.whole_bytes,
@@ -229,6 +249,7 @@ def _make_op(method: str, p: dict, opts: MergeOptions, recall_w, device):
                 job.name,
                 merged_numel(job),
                 ties=method == "dare-ties",
+                normalize=p.get("normalize", True),
             ),
             device,
             bb,
@@ -249,6 +270,8 @@ def _make_op(method: str, p: dict, opts: MergeOptions, recall_w, device):
 
         spec = ShrinkSpec(scale=p["scale"])
         return SpectralMergeOp(spec, p["weights"], p["lambda"], device, is_matrix, bb)
+    if method in added.METHODS:
+        return added.make_op(method, p, device, bb)
     raise AssertionError(method)
 
 
@@ -256,17 +279,18 @@ def _summary(method: str, records: list[dict], p: dict) -> dict:
     """Method-level totals for the report (``merge`` section)."""
     rows = [r for r in records if r["action"] in ("method", "resized")]
     out: dict = {"method_tensors": len(rows)}
-    if method in ("ties", "dare-linear", "dare-ties"):
+    if "kept" in (rows[0] if rows else {}):  # ties, dare-*, breadcrumbs*, della*
         numel = [_merged_entries(r) for r in rows]
         n_fts = len(p["weights"])
         kept = [sum(r["kept"][i] for r in rows) for i in range(n_fts)]
         total = sum(numel)
         out["kept_fraction"] = [k / total if total else 0.0 for k in kept]
         out["entries"] = total
-        if method != "dare-linear":
+        if "sign_conflicts" in rows[0]:
             conflicts = sum(r.get("sign_conflicts", 0) for r in rows)
             out["sign_conflicts"] = conflicts
             out["sign_conflict_fraction"] = conflicts / total if total else 0.0
+    out.update(added.summary(method, rows))
     if method == "dg-hard":
         spectral = [r for r in rows if r.get("merge_rule") == "dg-hard"]
         out["filtered_matrices"] = len(spectral)

@@ -43,7 +43,15 @@ MERGE_EPILOG = """
 
     dghard merge --method dg-hard --weights 1,1 BASE FT_A FT_B --out m   # DG-Hard each delta, then sum
 
+    dghard merge --method slerp --t 0.3 BASE FT --out m                 # spherical interpolation
+
+    dghard merge --method della --density 0.4 --epsilon 0.1 BASE FT_A FT_B --out m
+
+    dghard merge --method model-stock BASE FT_A FT_B FT_C --out m
+
     dghard merge --config configs/ties.yaml                          # a YAML recipe
+
+    dghard merge --config mergekit.yml --out merged                  # a mergekit recipe, unchanged
 """
 
 
@@ -69,7 +77,8 @@ def render_merge(console: Console, doc: dict) -> None:
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
-    shown = {k: p[k] for k in ("alpha", "weights", "lambda", "density", "seed", "scale") if k in p}
+    keys = ("alpha", "weights", "lambda", "density", "seed", "scale", "t", "gamma", "epsilon")
+    shown = {k: p[k] for k in (*keys, "normalize", "filter_wise") if k in p}
     if shown:
         t.add_row("parameters", ", ".join(f"{k}={v}" for k, v in shown.items()))
     if "kept_fraction" in m:
@@ -83,6 +92,12 @@ def render_merge(console: Console, doc: dict) -> None:
             "dg-hard",
             f"{m['filtered_matrices']} matrices filtered, {m['task_arithmetic_tensors']} tensors by task arithmetic",
         )
+    if "spherical_tensors" in m:
+        t.add_row(
+            "slerp", f"{m['spherical_tensors']} tensors spherical, {m['linear_tensors']} linear (colinear)"
+        )
+    if m.get("median_stock_t") is not None:
+        t.add_row("model stock", f"median t = {m['median_stock_t']:.4f}")
     if m.get("median_rank_kept"):
         t.add_row("median rank kept", ", ".join(str(r) for r in m["median_rank_kept"]))
     console.print(t)
@@ -132,6 +147,33 @@ def merge_cmd(
     seed: Annotated[Optional[int], typer.Option(help="dare: seed of the random drop (default 0).")] = None,
     scale: Annotated[
         Optional[float], typer.Option(help="dg-hard: multiplies the Gavish–Donoho threshold (default 1).")
+    ] = None,
+    t: Annotated[
+        Optional[float],
+        typer.Option("--t", help="slerp: interpolation factor, 0 = BASE .. 1 = FT (default 0.5)."),
+    ] = None,
+    gamma: Annotated[
+        Optional[float],
+        typer.Option(help="breadcrumbs: fraction of the largest entries dropped (default 0.01)."),
+    ] = None,
+    epsilon: Annotated[
+        Optional[float],
+        typer.Option(
+            help="della: keep probabilities range over density ± epsilon by magnitude (default 0.15)."
+        ),
+    ] = None,
+    normalize: Annotated[
+        Optional[bool],
+        typer.Option(
+            "--normalize/--no-normalize",
+            help="ties, dare-ties, breadcrumbs-ties, della: disjoint mean (normalize) or sum "
+            "(default: mean, breadcrumbs-ties: sum — mergekit's defaults).",
+            show_default=False,
+        ),
+    ] = None,
+    filter_wise: Annotated[
+        Optional[bool],
+        typer.Option("--filter-wise", help="model-stock: one ratio t per row instead of per tensor."),
     ] = None,
     calib: Annotated[
         Optional[Path],
@@ -194,7 +236,8 @@ def merge_cmd(
     verbose: VerboseOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard."""
+    """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard,
+    SLERP, Breadcrumbs, DELLA, Model Stock."""
 
     def body() -> dict:
         values: dict = {}
@@ -256,6 +299,11 @@ def merge_cmd(
             density=pick(density, "density"),
             seed=pick(seed, "seed"),
             scale=pick(scale, "scale"),
+            t=pick(t, "t"),
+            gamma=pick(gamma, "gamma"),
+            epsilon=pick(epsilon, "epsilon"),
+            normalize=pick(normalize, "normalize"),
+            filter_wise=pick(filter_wise, "filter_wise"),
             calib=Path(cal) if cal is not None else None,
             recall=recall_opts,
             policy=PolicyOptions(

@@ -235,11 +235,12 @@ class DareKernel(Kernel):
         numel: int,
         *,
         ties: bool,
+        normalize: bool = True,
     ) -> None:
         self.weights, self.lam = list(weights), lam
         self.streams = [DareStream(seed, name, i, density, numel) for i in range(len(weights))]
         self.numel = numel
-        self.election = _Election(weights, lam) if ties else None
+        self.election = _Election(weights, lam, normalize=normalize) if ties else None
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
         dropped = [s(d) for s, d in zip(self.streams, deltas, strict=True)]
