@@ -244,6 +244,7 @@ def merge_cmd(
         recall_cfg: dict = {}
         ft_revisions = None
         rev_base = base_revision
+        recipe = None
         if config is not None:
             recipe = load_recipe(config)
             if models:
@@ -273,6 +274,10 @@ def merge_cmd(
         if chosen_method is None:
             raise InputError("--method is required (or 'method:' in the --config recipe)")
         out_dir = pick(out, "out")
+        if out_dir is None and recipe is not None and recipe.mergekit:
+            raise InputError(
+                f"--out OUT is required with the mergekit recipe {config} (mergekit-yaml's OUT argument)"
+            )
         if out_dir is None:
             raise InputError("--out is required (or 'out:' in the --config recipe)")
         cli_recall = {

@@ -12,6 +12,10 @@ A recipe holds the same things as the command line (see the README for the forma
     lambda: 1.0
     out: ../out/ties
 
+A mergekit recipe (a ``merge_method`` key) is translated first by
+:func:`dghard_cli.methods.mergekit_recipe.translate`; its relative model paths are resolved
+against the current directory, as mergekit resolves them, and OUT comes from ``--out``.
+
 Read with ``yaml.safe_load`` only. Every key is checked (unknown key, wrong type, missing
 ``method``/``base``/``models``) with a one-line error naming the recipe. Relative paths
 (models, ``out``, ``calib``, ``report``) are resolved against the recipe's directory; a model
@@ -27,6 +31,7 @@ from pathlib import Path
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.hub import is_hub_id
+from dghard_cli.methods.mergekit_recipe import is_mergekit, translate
 
 MAX_RECIPE_BYTES = 1024 * 1024
 
@@ -84,6 +89,7 @@ class Recipe:
     models: list[ModelRef]
     values: dict = field(default_factory=dict)  # every other top-level key given
     recall: dict = field(default_factory=dict)
+    mergekit: bool = False  # translated from a mergekit recipe
 
     @property
     def weights(self) -> list[float] | None:
@@ -180,11 +186,16 @@ def load_recipe(path: str | Path) -> Recipe:
     doc = read_yaml_file(path, where, MAX_RECIPE_BYTES)
     if not isinstance(doc, dict):
         raise InputError(f"{where}: must be a YAML mapping of keys (method, base, models, ...)")
+    root = path.parent
+    mergekit = is_mergekit(doc)
+    if mergekit:
+        where = f"mergekit recipe {path}"
+        doc = translate(doc, where)
+        root = Path.cwd()  # mergekit resolves local model paths against the current directory
     _check_mapping(doc, TOP_KEYS, where)
     for key in ("method", "base", "models"):
         if key not in doc:
             raise InputError(f"{where}: missing {key!r}")
-    root = path.parent
     base = _model(doc["base"], f"{where}: base", root)
     if base.weight is not None:
         raise InputError(f"{where}: base: 'weight' applies to the fine-tunes under 'models', not to base")
@@ -203,4 +214,12 @@ def load_recipe(path: str | Path) -> Recipe:
     for key in ("include", "exclude"):
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
-    return Recipe(path=path, method=doc["method"], base=base, models=models, values=values, recall=recall)
+    return Recipe(
+        path=path,
+        method=doc["method"],
+        base=base,
+        models=models,
+        values=values,
+        recall=recall,
+        mergekit=mergekit,
+    )
