@@ -48,6 +48,7 @@ from dghard_cli.methods.merge_ops import (
     WiseFTKernel,
     merged_numel,
 )
+from dghard_cli.methods.per_tensor import PerTensorOp, TensorParameterSource, tensor_parameter_sets
 from dghard_cli.spectral.spectrum import ROUTE, ShrinkSpec
 
 METHODS = (
@@ -84,7 +85,7 @@ class MergeOptions:
     alpha: float | None = None
     weights: list[float] | None = None
     lam: float | None = None
-    density: float | None = None
+    density: float | list[float | None] | None = None  # one value, or one per fine-tune (None: default)
     seed: int | None = None
     scale: float | None = None
     calib: Path | None = None
@@ -101,6 +102,9 @@ class MergeOptions:
     block_bytes: int = 64 * 1024 * 1024  # row blocks of large tensors (work copies of all inputs)
     whole_bytes: int = WHOLE_BYTES  # TIES: whole tensors up to this size (all work copies)
     create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
+    #: parameters that vary by tensor (a mergekit recipe's gradients/filters): ``(name, layers) ->
+    #: MergeOptions field values``, see :mod:`dghard_cli.methods.per_tensor`
+    tensor_parameters: TensorParameterSource | None = None
 
 
 def canonical_method(method: str) -> str:
@@ -160,10 +164,20 @@ def resolve_parameters(opts: MergeOptions, n_fts: int) -> dict:
     if "lambda" in APPLIES[method]:
         p["lambda"] = _finite("lambda", DEFAULTS["lambda"] if opts.lam is None else opts.lam)
     if "density" in APPLIES[method]:
-        d = _finite("density", DEFAULT_DENSITY[method] if opts.density is None else opts.density)
-        if not 0.0 < d <= 1.0:
-            raise InputError(f"--density is the fraction of each delta kept and must be in (0, 1], got {d}")
-        p["density"] = d
+        given_d = DEFAULT_DENSITY[method] if opts.density is None else opts.density
+        default_d = DEFAULT_DENSITY[method]
+        ds = [
+            default_d if x is None else _finite("density", x)
+            for x in (given_d if isinstance(given_d, list) else [given_d])
+        ]
+        if isinstance(given_d, list) and len(ds) != n_fts:
+            raise InputError(f"--density has {len(ds)} value(s) but {n_fts} fine-tune(s) were given")
+        for d in ds:
+            if not 0.0 < d <= 1.0:
+                raise InputError(
+                    f"--density is the fraction of each delta kept and must be in (0, 1], got {d}"
+                )
+        p["density"] = ds[0] if all(d == ds[0] for d in ds) else ds  # one per fine-tune when they differ
     if "seed" in APPLIES[method]:
         s = DEFAULTS["seed"] if opts.seed is None else opts.seed
         if isinstance(s, bool) or not isinstance(s, int) or s < 0:
@@ -352,6 +366,15 @@ def merge(
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
         parameters = {**p, **policy_parameters(opts.policy)}
+        sets = None
+        if opts.tensor_parameters is not None:  # validated for every tensor before anything is written
+            sets = tensor_parameter_sets(plan, opts, len(fts), resolve_parameters)
+            parameters["per_tensor"] = "varies by tensor (the recipe's gradients/filters): see each tensor"
+
+        def make_op(device):
+            if sets is None:
+                return _make_op(method, p, opts, recall_w, device)
+            return PerTensorOp(sets, lambda q: _make_op(method, q, opts, recall_w, device))
 
         def extra_report() -> dict:
             return extra
@@ -364,7 +387,7 @@ def merge(
             fts=ft_cks,
             out=Path(out),
             plan=plan,
-            make_op=lambda device: _make_op(method, p, opts, recall_w, device),
+            make_op=make_op,
             run=opts.run,
             spectral=False,
             extra_report=extra_report,

@@ -347,7 +347,7 @@ REFUSED = {
     "slices": (
         "slices:\n  - sources:\n      - model: mistralai/Mistral-7B-v0.1\n        layer_range: [0, 24]\n"
         "merge_method: passthrough\ndtype: float16\n",
-        "'slices'",
+        "passthrough stacks layers (a frankenmerge)",
     ),
     "passthrough": ("merge_method: passthrough\nmodels: [{model: mistralai/Mistral-7B-v0.1}]\n", "passthrough"),
     "moe": (
@@ -357,12 +357,6 @@ REFUSED = {
     ),
     "tokenizer": (TIES + "tokenizer_source: union\n", "'tokenizer_source' asks for tokenizer surgery"),
     "chat-template": (TIES + "chat_template: chatml\n", "'chat_template'"),
-    "gradient": (TIES.replace("density: 0.5\n      weight: 0.5", "density: [1, 0.7, 0.1]\n      weight: 0.5"), "'density' is a gradient"),
-    "filter": (
-        SLERP.replace("  t: 0.35\n", "  t:\n    - filter: self_attn\n      value: [0, 0.5, 1]\n    - value: 0.5\n"),
-        "'t' is a gradient or a filtered list",
-    ),
-    "differing-density": (TIES.replace("density: 0.5\n      weight: 0.3", "density: 0.3\n      weight: 0.3"), "one density"),
     "lora": (SLERP.replace("NeuralHermes-2.5-Mistral-7B\n", "NeuralHermes-2.5-Mistral-7B+some/lora\n", 1), "LoRA"),
     "unknown-method": (SLERP.replace("merge_method: slerp", "merge_method: karcher"), "'karcher' is not one dghard runs"),
     "no-rescale": (TIES.replace("merge_method: ties", "merge_method: dare_ties").replace("normalize: true", "rescale: false"), "'rescale: false'"),
@@ -371,6 +365,24 @@ REFUSED = {
     "slerp-no-t": (SLERP.replace("parameters:\n  t: 0.35\n", ""), "needs 't'"),
     "unknown-parameter": (SLERP.replace("t: 0.35", "t: 0.35\n  lambda: 2"), "'lambda' is not a parameter of merge_method slerp"),
     "unknown-key": (SLERP + "output_dir: x\n", "unknown mergekit key 'output_dir'"),
+    "two-slices": (
+        "slices:\n  - sources:\n      - {model: mistralai/Mistral-7B-v0.1, layer_range: [0, 1]}\n"
+        "  - sources:\n      - {model: OpenPipe/mistral-ft-optimized-1218, layer_range: [1, 2]}\n"
+        "merge_method: passthrough\n",
+        "'slices' has 2 slices",
+    ),
+    "partial-slice": (
+        "slices:\n  - sources:\n      - {model: OpenPipe/mistral-ft-optimized-1218, layer_range: [0, 1]}\n"
+        "      - {model: mlabonne/NeuralHermes-2.5-Mistral-7B, layer_range: [0, 1]}\n"
+        "merge_method: slerp\nbase_model: OpenPipe/mistral-ft-optimized-1218\nparameters: {t: 0.5}\n",
+        "takes layers [0, 1) of models with 2 layers",
+    ),
+    "uneven-slice": (
+        "slices:\n  - sources:\n      - {model: OpenPipe/mistral-ft-optimized-1218, layer_range: [0, 2]}\n"
+        "      - {model: mlabonne/NeuralHermes-2.5-Mistral-7B, layer_range: [1, 2]}\n"
+        "merge_method: slerp\nbase_model: OpenPipe/mistral-ft-optimized-1218\nparameters: {t: 0.5}\n",
+        "take parts of models",
+    ),
 }  # fmt: skip
 
 
@@ -426,3 +438,136 @@ def test_translate_pure_errors():
         )["lambda"],
         4.0,
     )  # fmt: skip
+
+
+# -- parameters that vary by layer and tensor (gradients, filters), one slice over every layer --
+
+DEEP = ArchConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, vocab_size=128)
+
+
+@pytest.fixture(scope="module")
+def deep(tmp_path_factory):
+    root = tmp_path_factory.mktemp("deep")
+    base, a = make_pair(root / "a", DEEP, ft_shards=2, seed=5)
+    _, b = make_pair(root / "b", DEEP, ft_shards=1, seed=5, delta_seed=6)
+    _, c = make_pair(root / "c", DEEP, ft_shards=1, seed=5, delta_seed=7)
+    paths = {"base": base, "a": a, "b": b, "c": c}
+    return {
+        "paths": paths,
+        "arrays": {k: {n: t.numpy() for n, t in load_dir(p).items()} for k, p in paths.items()},
+    }
+
+
+def gradient(values: list[float], x: float) -> float:
+    """A gradient's value at layer fraction x: piecewise-linear over evenly spaced points."""
+    return float(np.interp(x * (len(values) - 1), np.arange(len(values)), values))
+
+
+def layer_fraction(name: str, layers: int = 4) -> float:
+    import re
+
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    return int(m.group(1)) / (layers - 1) if m else 0.0  # embeddings, final norm, lm_head: 0
+
+
+GRADIENT_SLERP = """\
+slices:
+  - sources:
+      - model: OpenPipe/mistral-ft-optimized-1218
+        layer_range: [0, 4]
+      - model: mlabonne/NeuralHermes-2.5-Mistral-7B
+        layer_range: [0, 4]
+merge_method: slerp
+base_model: OpenPipe/mistral-ft-optimized-1218
+parameters:
+  t:
+    - filter: self_attn
+      value: [0, 0.5, 0.3, 0.7, 1]
+    - filter: mlp
+      value: [1, 0.5, 0.7, 0.3, 0]
+    - value: 0.5
+dtype: float32
+"""
+
+
+def test_gradient_slerp_over_one_slice_runs_unchanged(deep, tmp_path):
+    """The slerp recipe most merges on the Hub start from: t per layer, by filter."""
+    res, out = run_recipe(deep, tmp_path, GRADIENT_SLERP)
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["parameters"]["per_tensor"].startswith("varies by tensor")
+
+    def t_of(name):
+        x = layer_fraction(name)
+        if "self_attn" in name:
+            return gradient([0, 0.5, 0.3, 0.7, 1], x)
+        if "mlp" in name:
+            return gradient([1, 0.5, 0.7, 0.3, 0], x)
+        return 0.5
+
+    by = {r["name"]: r for r in doc["tensors"]}
+    assert by["model.layers.1.self_attn.q_proj.weight"]["parameters"]["t"] == pytest.approx(
+        t_of("model.layers.1.self_attn.q_proj.weight")
+    )
+    assert len({round(r["parameters"]["t"], 6) for r in doc["tensors"]}) > 4
+    check(deep, out, lambda n, b, f: M.ref_slerp(d64(f["a"]), d64(f["b"]), t_of(n)))
+
+
+MERGEKIT_README_TIES = """\
+models:
+  - model: mistralai/Mistral-7B-v0.1
+    # no parameters necessary for base model
+  - model: OpenPipe/mistral-ft-optimized-1218
+    parameters:
+      density: [1, 0.7, 0.1] # density gradient
+      weight: 1.0
+  - model: mlabonne/NeuralHermes-2.5-Mistral-7B
+    parameters:
+      density: 0.5
+      weight: [0, 0.3, 0.7, 1] # weight gradient
+  - model: teknium/OpenHermes-2.5-Mistral-7B
+    parameters:
+      density: 0.33
+      weight:
+        - filter: mlp
+          value: 0.5
+        - value: 0
+merge_method: ties
+base_model: mistralai/Mistral-7B-v0.1
+parameters:
+  normalize: true
+  int8_mask: true
+dtype: float32
+"""
+
+
+def test_ties_with_density_and_weight_gradients_and_filters(deep, tmp_path):
+    """mergekit's README TIES example: one density per model, gradients, a filtered weight."""
+    res, out = run_recipe(deep, tmp_path, MERGEKIT_README_TIES)
+    assert res.exit_code == 0, res.output
+
+    def ref(name, b, f):
+        x = layer_fraction(name)
+        dens = [gradient([1, 0.7, 0.1], x), 0.5, 0.33]
+        w = [1.0, gradient([0, 0.3, 0.7, 1], x), 0.5 if "mlp" in name else 0.0]
+        parts = []
+        for k, d in zip("abc", dens, strict=True):
+            delta = d64(f[k]) - d64(b)
+            parts.append(np.where(M.topk_mask(delta, d), delta, 0.0))
+        return d64(b) + M.elect_and_mean(parts, w)
+
+    check(deep, out, ref)
+    doc = json.loads(res.stdout)
+    rec = next(r for r in doc["tensors"] if r["name"] == "model.layers.2.mlp.up_proj.weight")
+    assert rec["parameters"]["weights"] == pytest.approx([1.0, gradient([0, 0.3, 0.7, 1], 2 / 3), 0.5])
+    assert rec["kept"][2] == int(0.33 * math.prod(rec["shape"]))
+
+
+def test_per_tensor_values_are_checked_before_anything_is_written(deep, tmp_path):
+    """A gradient that reaches an invalid value in some layer: one line naming that tensor."""
+    text = MERGEKIT_README_TIES.replace("density: [1, 0.7, 0.1]", "density: [1, 0.7, 0]")
+    res, out = run_recipe(deep, tmp_path, text)
+    assert res.exit_code == 2, res.output
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "tensor 'model.layers.3." in lines[0] and "--density" in lines[0], res.stderr
+    assert not out.exists()

@@ -258,6 +258,8 @@ def merge_cmd(
             values = dict(recipe.values)
             if recipe.weights is not None:
                 values["weights"] = recipe.weights
+            if recipe.densities is not None:
+                values["density"] = recipe.densities
             values["method"] = recipe.method
             recall_cfg = dict(recipe.recall)
         else:
@@ -333,6 +335,7 @@ def merge_cmd(
             base_revision=rev_base,
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
+            tensor_parameters=recipe.tensor_parameters if recipe is not None else None,
         )
         return merge(base, fts, Path(out_dir), opts)
 

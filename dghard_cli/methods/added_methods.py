@@ -18,7 +18,7 @@ from dghard_cli.errors import InputError
 from dghard_cli.methods.breadcrumbs import BreadcrumbsKernel
 from dghard_cli.methods.dare import CHUNK
 from dghard_cli.methods.della import DellaKernel
-from dghard_cli.methods.merge_ops import ElementwiseMergeOp, merged_numel
+from dghard_cli.methods.merge_ops import ElementwiseMergeOp, merged_numel, per_ft
 from dghard_cli.methods.model_stock import ModelStockKernel
 from dghard_cli.methods.slerp import SlerpKernel
 
@@ -126,8 +126,9 @@ def resolve(method: str, given: dict, n_fts: int, p: dict) -> None:
         p["gamma"] = gamma
     if "epsilon" in spec.takes:
         eps = _number("epsilon", vals["epsilon"])
-        d = p["density"]
-        if eps < 0 or (d < 1 and not (d - eps > 0 and d + eps < 1)):
+        bad = [d for d in per_ft(p["density"], n_fts) if d < 1 and not (d - eps > 0 and d + eps < 1)]
+        if eps < 0 or bad:
+            d = bad[0] if bad else p["density"]
             raise InputError(
                 f"--epsilon {eps} with --density {d}: keep probabilities density ± epsilon must lie in "
                 "(0, 1); use epsilon >= 0 below min(density, 1 − density)"

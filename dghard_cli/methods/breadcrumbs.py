@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from dghard_cli.methods import ties as T
-from dghard_cli.methods.merge_ops import BlockExact, Kernel, _Election
+from dghard_cli.methods.merge_ops import BlockExact, Kernel, _Election, per_ft
 from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
 from dghard_cli.methods.topk_stream import StreamingTopK
 
@@ -65,7 +65,7 @@ class BreadcrumbsKernel(Kernel):
         self,
         weights: Sequence[float],
         lam: float,
-        density: float,
+        density: float | Sequence[float],
         gamma: float,
         numel: int,
         *,
@@ -74,15 +74,17 @@ class BreadcrumbsKernel(Kernel):
     ) -> None:
         self.weights, self.lam = list(weights), lam
         self.numel = numel
-        self.dropped, self.keep = breadcrumbs_counts(numel, density, gamma)
+        counts = [breadcrumbs_counts(numel, d, gamma) for d in per_ft(density, len(self.weights))]
+        self.dropped = [c[0] for c in counts]  # per fine-tune
+        self.keep = [c[1] for c in counts]
         self.election = _Election(weights, lam, normalize=normalize) if ties else None
         self.outer: list[StreamingTopK] = []
         self.inner: list[StreamingTopK] = []
 
     def begin(self, dtype: torch.dtype, *, whole: bool) -> None:
-        n = len(self.weights)
-        self.outer = [StreamingTopK(self.numel, self.dropped + self.keep, dtype) for _ in range(n)]
-        self.inner = [StreamingTopK(self.numel, self.dropped, dtype) for _ in range(n)]
+        pairs = zip(self.dropped, self.keep, strict=True)
+        self.outer = [StreamingTopK(self.numel, dropped + keep, dtype) for dropped, keep in pairs]
+        self.inner = [StreamingTopK(self.numel, dropped, dtype) for dropped in self.dropped]
 
     def _all(self) -> list[StreamingTopK]:
         return [*self.outer, *self.inner]
@@ -118,7 +120,7 @@ class BreadcrumbsKernel(Kernel):
                 return exact(i, pos)
 
             keep = self.outer[i].mask(mag, ex)
-            if self.dropped:
+            if self.dropped[i]:
                 keep &= ~self.inner[i].mask(mag, ex)
             d.masked_fill_(~keep, 0)
         if self.election is not None:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from dghard_cli.methods.dare import CHUNK
-from dghard_cli.methods.merge_ops import BlockExact, Kernel, _Election
+from dghard_cli.methods.merge_ops import BlockExact, Kernel, _Election, per_ft
 from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
 
 
@@ -104,7 +104,7 @@ class DellaKernel(Kernel):
         self,
         weights: Sequence[float],
         lam: float,
-        density: float,
+        density: float | Sequence[float],
         epsilon: float,
         seed: int,
         name: str,
@@ -114,7 +114,8 @@ class DellaKernel(Kernel):
         normalize: bool = True,
     ) -> None:
         self.weights, self.lam = list(weights), lam
-        self.density, self.epsilon, self.seed, self.name = density, epsilon, seed, name
+        self.density = per_ft(density, len(self.weights))  # per fine-tune
+        self.epsilon, self.seed, self.name = epsilon, seed, name
         self.numel = numel
         self.pos = 0
         self.kept = [0] * len(self.weights)
@@ -125,7 +126,7 @@ class DellaKernel(Kernel):
         pruned = []
         for i, d in enumerate(deltas):
             u = uniforms(self.seed, self.name, i, self.numel, self.pos, self.pos + n)
-            out, kept = magprune(d, u, self.density, self.epsilon)
+            out, kept = magprune(d, u, self.density[i], self.epsilon)
             self.kept[i] += kept
             pruned.append(out)
         self.pos += n

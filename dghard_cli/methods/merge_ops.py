@@ -43,6 +43,13 @@ from dghard_cli.spectral.spectrum import ROUTE, Projector, ShrinkSpec, filter_sp
 BlockExact = Callable[[int, torch.Tensor], torch.Tensor]
 
 BLOCK_BYTES = 64 * 1024 * 1024
+
+
+def per_ft(value: float | Sequence[float], n: int) -> list[float]:
+    """One value per fine-tune from one value (the same for all) or a list of them."""
+    return [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)] * n
+
+
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
 #: fit in this; larger tensors are selected by statistics passes over row blocks, then trimmed
 #: block by block (peak memory: a few blocks, not a few copies of the tensor).
@@ -160,10 +167,16 @@ class TiesKernel(Kernel):
     needs_whole = True
 
     def __init__(
-        self, weights: Sequence[float], lam: float, density: float, numel: int, *, normalize: bool = True
+        self,
+        weights: Sequence[float],
+        lam: float,
+        density: float | Sequence[float],
+        numel: int,
+        *,
+        normalize: bool = True,
     ) -> None:
         self.n = len(weights)
-        self.k = T.keep_count(numel, density)
+        self.k = [T.keep_count(numel, d) for d in per_ft(density, self.n)]  # per fine-tune
         self.numel = numel
         self.sel: list[T.TopK | None] = [None] * self.n
         self.streams: list[StreamingTopK] | None = None
@@ -171,7 +184,7 @@ class TiesKernel(Kernel):
 
     def begin(self, dtype: torch.dtype, *, whole: bool) -> None:
         if not whole:
-            self.streams = [StreamingTopK(self.numel, self.k, dtype) for _ in range(self.n)]
+            self.streams = [StreamingTopK(self.numel, k, dtype) for k in self.k]
 
     def pending(self) -> bool:
         return self.streams is not None and any(s.pending for s in self.streams)
@@ -197,7 +210,7 @@ class TiesKernel(Kernel):
     def trim_whole(self, i: int, delta: torch.Tensor, exact: T.ExactMagnitudes) -> None:
         """Select and trim a whole Δ_i in place (``exact``: its unrounded magnitudes)."""
         mag = delta.abs()
-        sel = T.select_topk(mag, self.k, exact)
+        sel = T.select_topk(mag, self.k[i], exact)
         self.sel[i] = sel
         delta.masked_fill_(~T.selection_mask(mag, sel), 0)
 
@@ -229,7 +242,7 @@ class DareKernel(Kernel):
         self,
         weights: Sequence[float],
         lam: float,
-        density: float,
+        density: float | Sequence[float],
         seed: int,
         name: str,
         numel: int,
@@ -238,7 +251,8 @@ class DareKernel(Kernel):
         normalize: bool = True,
     ) -> None:
         self.weights, self.lam = list(weights), lam
-        self.streams = [DareStream(seed, name, i, density, numel) for i in range(len(weights))]
+        ds = per_ft(density, len(self.weights))
+        self.streams = [DareStream(seed, name, i, d, numel) for i, d in enumerate(ds)]
         self.numel = numel
         self.election = _Election(weights, lam, normalize=normalize) if ties else None
 

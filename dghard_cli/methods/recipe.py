@@ -31,7 +31,7 @@ from pathlib import Path
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.hub import is_hub_id
-from dghard_cli.methods.mergekit_recipe import is_mergekit, translate
+from dghard_cli.methods.mergekit_recipe import TensorParameters, is_mergekit, translate, varies
 
 MAX_RECIPE_BYTES = 1024 * 1024
 
@@ -63,7 +63,7 @@ TOP_KEYS: dict[str, str] = {
     "device": STR,
     "report": STR,
 }
-MODEL_KEYS = {"model": STR, "weight": NUMBER, "revision": STR}
+MODEL_KEYS = {"model": STR, "weight": NUMBER, "density": NUMBER, "revision": STR}
 RECALL_KEYS = {
     "kernel": STR,
     "pooling": STR,
@@ -79,6 +79,7 @@ class ModelRef:
     spec: str
     weight: float | None = None
     revision: str | None = None
+    density: float | None = None  # this fine-tune's density (else the recipe's)
 
 
 @dataclass
@@ -90,12 +91,21 @@ class Recipe:
     values: dict = field(default_factory=dict)  # every other top-level key given
     recall: dict = field(default_factory=dict)
     mergekit: bool = False  # translated from a mergekit recipe
+    tensor_parameters: TensorParameters | None = None  # its gradients/filters/slice, per tensor
 
     @property
     def weights(self) -> list[float] | None:
         if all(m.weight is None for m in self.models):
             return None
         return [1.0 if m.weight is None else m.weight for m in self.models]
+
+    @property
+    def densities(self) -> list[float | None] | None:
+        """One density per fine-tune when a model sets its own (the others: the recipe's, or None)."""
+        if all(m.density is None for m in self.models):
+            return None
+        top = self.values.get("density")
+        return [top if m.density is None else m.density for m in self.models]
 
 
 def _type_ok(value: object, kind: str) -> bool:
@@ -149,9 +159,12 @@ def _model(entry: object, where: str, root: Path) -> ModelRef:
     _check_mapping(entry, MODEL_KEYS, where)
     if "model" not in entry:
         raise InputError(f"{where}: missing 'model' (the checkpoint directory or Hub id)")
-    w = entry.get("weight")
+    w, d = entry.get("weight"), entry.get("density")
     return ModelRef(
-        _resolve_model(entry["model"], root), None if w is None else float(w), entry.get("revision")
+        _resolve_model(entry["model"], root),
+        None if w is None else float(w),
+        entry.get("revision"),
+        None if d is None else float(d),
     )
 
 
@@ -188,8 +201,11 @@ def load_recipe(path: str | Path) -> Recipe:
         raise InputError(f"{where}: must be a YAML mapping of keys (method, base, models, ...)")
     root = path.parent
     mergekit = is_mergekit(doc)
+    per_tensor = None
     if mergekit:
         where = f"mergekit recipe {path}"
+        if varies(doc) or "slices" in doc:
+            per_tensor = TensorParameters(doc, where)
         doc = translate(doc, where)
         root = Path.cwd()  # mergekit resolves local model paths against the current directory
     _check_mapping(doc, TOP_KEYS, where)
@@ -197,8 +213,9 @@ def load_recipe(path: str | Path) -> Recipe:
         if key not in doc:
             raise InputError(f"{where}: missing {key!r}")
     base = _model(doc["base"], f"{where}: base", root)
-    if base.weight is not None:
-        raise InputError(f"{where}: base: 'weight' applies to the fine-tunes under 'models', not to base")
+    if base.weight is not None or base.density is not None:
+        key = "weight" if base.weight is not None else "density"
+        raise InputError(f"{where}: base: '{key}' applies to the fine-tunes under 'models', not to base")
     models_doc = doc["models"]
     if not isinstance(models_doc, list) or not models_doc:
         raise InputError(f"{where}: 'models' must be a non-empty list of fine-tuned checkpoints")
@@ -222,4 +239,5 @@ def load_recipe(path: str | Path) -> Recipe:
         values=values,
         recall=recall,
         mergekit=mergekit,
+        tensor_parameters=per_tensor,
     )
