@@ -48,7 +48,7 @@ TORCH = "torch==2.13.0"
 
 ALL_METHODS = (
     "linear", "task_arithmetic", "ties", "dare_linear", "dare_ties", "breadcrumbs", "breadcrumbs_ties",
-    "della", "della_linear", "slerp", "model_stock",
+    "della", "della_linear", "slerp", "slerp_gradient", "model_stock",
 )  # fmt: skip
 RANDOM = {"dare_linear", "dare_ties", "della", "della_linear"}
 
@@ -103,6 +103,14 @@ def mergekit_recipe(method: str, base: Path, fts: list[Path], weights: list[floa
         return (
             f"merge_method: slerp\nbase_model: {base}\nmodels:\n  - model: {base}\n  - model: {fts[0]}\n"
             f"parameters:\n  t: {args.t}\ndtype: float32\n"
+        )
+    if method == "slerp_gradient":  # the usual Hub recipe: one slice, t by layer and by filter
+        return (
+            f"slices:\n  - sources:\n      - model: {base}\n        layer_range: [0, {args.layers}]\n"
+            f"      - model: {fts[0]}\n        layer_range: [0, {args.layers}]\n"
+            f"merge_method: slerp\nbase_model: {base}\nparameters:\n  t:\n"
+            "    - filter: self_attn\n      value: [0, 0.5, 0.3, 0.7, 1]\n"
+            "    - filter: mlp\n      value: [1, 0.5, 0.7, 0.3, 0]\n    - value: 0.5\ndtype: float32\n"
         )
     if method == "model_stock":
         models = "".join(f"  - model: {f}\n" for f in fts)
@@ -333,10 +341,12 @@ def main() -> int:
                 mk_runs.append(measured(mk_cmd, env))
                 shutil.rmtree(dg_out, ignore_errors=True)
                 dg_runs.append(measured(dg_cmd, env))
-            used = fts[:1] if method == "slerp" else fts
+            used = fts[:1] if method.startswith("slerp") else fts
             r = compare_method(method, dg_out, mk_out, base, used, args)
             if method == "slerp":  # dghard against the float64 definition (mergekit's own error is larger)
                 failed |= r["ref"][0] > 1e-6
+            elif method == "slerp_gradient":  # mergekit's float32 dot product: see slerp's line
+                failed |= r["rel"] > 1e-5
             elif method not in RANDOM:
                 failed |= r["rel"] > 1e-6
             mk_t, mk_rss = min(t for t, _ in mk_runs), max(m for _, m in mk_runs)
@@ -356,6 +366,10 @@ def main() -> int:
                 note = (
                     f"vs a float64 evaluation: dghard {r['ref'][0]:.1e}, mergekit {r['ref'][1]:.1e} "
                     "(its float32 dot product)"
+                )
+            elif method == "slerp_gradient":
+                note = (
+                    "t per layer and filter (one slice over every layer); differences: mergekit's float32 dot"
                 )
             elif r["left_out"]:
                 note = (
