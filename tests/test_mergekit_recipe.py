@@ -571,3 +571,11 @@ def test_per_tensor_values_are_checked_before_anything_is_written(deep, tmp_path
     lines = [line for line in res.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "tensor 'model.layers.3." in lines[0] and "--density" in lines[0], res.stderr
     assert not out.exists()
+
+
+def test_command_line_options_win_over_the_recipes_gradients(deep, tmp_path):
+    res, out = run_recipe(deep, tmp_path, GRADIENT_SLERP, "--t", "0.25")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert all("t" not in r["parameters"] for r in doc["tensors"])
+    check(deep, out, lambda n, b, f: M.ref_slerp(d64(f["a"]), d64(f["b"]), 0.25))

@@ -298,6 +298,10 @@ def merge_cmd(
         dt = pick(dtype, "dtype")
         rp = pick(report, "report")
         cal = pick(calib, "calib")
+        cli_fields = {
+            "alpha": alpha, "weights": weights, "lam": lam, "density": density, "t": t, "gamma": gamma,
+            "epsilon": epsilon, "normalize": normalize, "filter_wise": filter_wise,
+        }  # fmt: skip
         opts = MergeOptions(
             method=chosen_method,
             alpha=pick(alpha, "alpha"),
@@ -335,7 +339,13 @@ def merge_cmd(
             base_revision=rev_base,
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
-            tensor_parameters=recipe.tensor_parameters if recipe is not None else None,
+            tensor_parameters=(
+                recipe.tensor_parameters.without(
+                    {k for k, v in cli_fields.items() if v is not None}  # the command line wins
+                )
+                if recipe is not None and recipe.tensor_parameters is not None
+                else None
+            ),
         )
         return merge(base, fts, Path(out_dir), opts)
 

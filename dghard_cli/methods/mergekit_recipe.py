@@ -511,9 +511,14 @@ class TensorParameters:
     when it is a substring of the tensor's name. Also checks that a ``slices`` recipe's one
     slice covers every layer."""
 
-    def __init__(self, doc: dict, where: str) -> None:
+    def __init__(self, doc: dict, where: str, fixed: frozenset[str] = frozenset()) -> None:
         self.doc, self.where = doc, where
         self.layers = slice_layers(doc, where)
+        self.fixed = fixed  # MergeOptions fields given on the command line: they win
+
+    def without(self, fields: set[str]) -> TensorParameters:
+        """The same, leaving ``fields`` (options given on the command line) alone."""
+        return TensorParameters(self.doc, self.where, self.fixed | frozenset(fields))
 
     def check(self, num_layers: int) -> None:
         if self.layers is not None and self.layers != num_layers:
@@ -534,4 +539,4 @@ class TensorParameters:
             out["weights"] = [m.get("weight", 1.0) for m in r["models"]]
         if any("density" in m for m in r["models"]):
             out["density"] = [m.get("density") for m in r["models"]]
-        return out
+        return {k: v for k, v in out.items() if k not in self.fixed}
