@@ -9,6 +9,8 @@ Methods (Δ_i = W_i − W_base, formed in float32 or wider; the result is cast o
 - ``dare-ties``        W = W_base + λ·disjoint_mean_w(elect_w(DARE_density,seed(Δ_i)))
 - ``recall``           W_l = W_base,l + Σ_i α_{l,i}·Δ_{l,i}, α from hidden-state similarity
 - ``dg-hard``          W = W_base + λ·Σ w_i·Δ_i*, Δ_i* = DG-Hard(Δ_i) on eligible matrices
+- ``slerp``, ``breadcrumbs``, ``breadcrumbs-ties``, ``della``, ``della-linear``, ``model-stock``:
+  see their modules in :mod:`dghard_cli.methods` (mergekit 0.1.5's definitions)
 
 Elementwise methods apply to every floating tensor present with equal shape in BASE and all
 fine-tunes (norms and biases too); dg-hard filters the eligible matrices (repair's rule:
@@ -33,6 +35,7 @@ from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 from dghard_cli.methods import registry
 from dghard_cli.methods.calibration import RecallOptions, recall_weights
 from dghard_cli.methods.merge_ops import WHOLE_BYTES
+from dghard_cli.methods.per_tensor import PerTensorOp, TensorParameterSource, tensor_parameter_sets
 
 
 @dataclass
@@ -48,7 +51,7 @@ class MergeOptions:
     alpha: float | None = None
     weights: list[float] | None = None
     lam: float | None = None
-    density: float | None = None
+    density: float | list[float | None] | None = None  # one value, or one per fine-tune (None: default)
     seed: int | None = None
     scale: float | None = None
     calib: Path | None = None
@@ -61,6 +64,9 @@ class MergeOptions:
     block_bytes: int = 64 * 1024 * 1024  # row blocks of large tensors (work copies of all inputs)
     whole_bytes: int = WHOLE_BYTES  # TIES: whole tensors up to this size (all work copies)
     create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
+    #: parameters that vary by tensor (a mergekit recipe's gradients/filters): ``(name, layers) ->
+    #: parameter values by name``, see :mod:`dghard_cli.methods.per_tensor`
+    tensor_parameters: TensorParameterSource | None = None
 
 
 def canonical_method(method: str) -> str:
@@ -160,6 +166,15 @@ def merge(
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
         parameters = {**p, **policy_parameters(opts.policy)}
+        sets = None
+        if opts.tensor_parameters is not None:  # validated for every tensor before anything is written
+            sets = tensor_parameter_sets(plan, opts, len(fts), resolve_parameters)
+            parameters["per_tensor"] = "varies by tensor (the recipe's gradients/filters): see each tensor"
+
+        def make_op(device):
+            if sets is None:
+                return _make_op(method, p, opts, recall_w, device)
+            return PerTensorOp(sets, lambda q: _make_op(method, q, opts, recall_w, device))
 
         def extra_report(records: list[dict]) -> dict:
             return {**extra, "merge": registry.summary(method, records, p)}
@@ -172,7 +187,7 @@ def merge(
             fts=ft_cks,
             out=Path(out),
             plan=plan,
-            make_op=lambda device: _make_op(method, p, opts, recall_w, device),
+            make_op=make_op,
             run=opts.run,
             spectral=False,
             extra_report=extra_report,
