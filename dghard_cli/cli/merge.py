@@ -42,9 +42,16 @@ MERGE_EPILOG = """
 
     dghard merge --method dg-hard --weights 1,1 BASE FT_A FT_B --out m   # DG-Hard each delta, then sum
 
+    dghard merge --method slerp --t 0.3 BASE FT --out m                 # spherical interpolation
+
+    dghard merge --method della --density 0.4 --epsilon 0.1 BASE FT_A FT_B --out m
+
+    dghard merge --method model-stock BASE FT_A FT_B FT_C --out m
+
     dghard merge --config configs/ties.yaml                          # a YAML recipe
 
     dghard merge --method ties --lines 0.2,0.6 BASE FT_A FT_B --out m   # W_base + λ(ℓ)·τ_merged
+    dghard merge --config mergekit.yml --out merged                  # a mergekit recipe, unchanged
 """
 
 
@@ -129,17 +136,19 @@ _PY_TYPES = {
     registry.WEIGHTS: str,
     registry.PATH: Path,
     registry.SCHEDULE: str,
+    registry.BOOL: bool,
     "string": str,
 }
 
 
 def _option(name: str, kind: str, flag: str, help_text: str) -> inspect.Parameter:
     tp = Optional[_PY_TYPES[kind]]  # noqa: UP045 - typer reads the annotation at run time
+    if kind == registry.BOOL:  # a switch either way; not given: the method's default
+        option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
+    else:
+        option = typer.Option(flag, help=help_text)
     return inspect.Parameter(
-        name,
-        inspect.Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation=Annotated[tp, typer.Option(flag, help=help_text)],
+        name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[tp, option]
     )
 
 
@@ -193,8 +202,21 @@ def _cli_values(kw: dict, recipe_values: dict, recipe_maps: dict, where: str | N
     return values
 
 
+def _given_on_command_line(kw: dict) -> set[str]:
+    """The method parameters given as options (they win over a recipe's per-tensor values)."""
+    out = set()
+    for q in registry.params().values():
+        if q.kind == registry.MAPPING:
+            if any(kw[_sub_name(q, sub)] is not None for sub in q.sub):
+                out.add(q.name)
+        elif kw[f"param_{q.name}"] is not None:
+            out.add(q.name)
+    return out
+
+
 def merge_cmd(**kw) -> None:
-    """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard."""
+    """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard,
+    SLERP, Breadcrumbs, DELLA, Model Stock."""
 
     models, method, config, out = kw["models"], kw["method"], kw["config"], kw["out"]
     base_revision, verbose, json_out = kw["base_revision"], kw["verbose"], kw["json_out"]
@@ -205,6 +227,7 @@ def merge_cmd(**kw) -> None:
         maps: dict = {}
         ft_revisions = None
         rev_base = base_revision
+        recipe = None
         if config is not None:
             recipe = load_recipe(config)
             if models:
@@ -218,6 +241,8 @@ def merge_cmd(**kw) -> None:
             values = dict(recipe.values)
             if recipe.weights is not None:
                 values["weights"] = recipe.weights
+            if recipe.densities is not None:
+                values["density"] = recipe.densities
             values["method"] = recipe.method
             maps = recipe.maps
         else:
@@ -234,6 +259,10 @@ def merge_cmd(**kw) -> None:
         if chosen_method is None:
             raise InputError("--method is required (or 'method:' in the --config recipe)")
         out_dir = pick("out", out)
+        if out_dir is None and recipe is not None and recipe.mergekit:
+            raise InputError(
+                f"--out OUT is required with the mergekit recipe {config} (mergekit-yaml's OUT argument)"
+            )
         if out_dir is None:
             raise InputError("--out is required (or 'out:' in the --config recipe)")
         kwargs, extra = registry.options_values(
@@ -269,6 +298,11 @@ def merge_cmd(**kw) -> None:
             base_revision=rev_base,
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
+            tensor_parameters=(
+                recipe.tensor_parameters.without(_given_on_command_line(kw))  # the command line wins
+                if recipe is not None and recipe.tensor_parameters is not None
+                else None
+            ),
         )
         return merge(base, fts, Path(out_dir), opts)
 

@@ -184,7 +184,11 @@ def render_merge(console: Console, doc: dict) -> None:
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
-    shown = {q.name: p[q.name] for q in registry.scalar_params() if q.name in p}
+    shown = {
+        q.name: p[q.name]
+        for q in registry.params().values()
+        if (q.scalar or q.kind == registry.BOOL) and q.name in p
+    }
     if shown:
         t.add_row("parameters", ", ".join(f"{k}={v}" for k, v in shown.items()))
     if "kept_fraction" in m:
@@ -198,6 +202,12 @@ def render_merge(console: Console, doc: dict) -> None:
             "dg-hard",
             f"{m['filtered_matrices']} matrices filtered, {m['task_arithmetic_tensors']} tensors by task arithmetic",
         )
+    if "spherical_tensors" in m:
+        t.add_row(
+            "slerp", f"{m['spherical_tensors']} tensors spherical, {m['linear_tensors']} linear (colinear)"
+        )
+    if m.get("median_stock_t") is not None:
+        t.add_row("model stock", f"median t = {m['median_stock_t']:.4f}")
     if m.get("median_rank_kept"):
         t.add_row("median rank kept", ", ".join(str(r) for r in m["median_rank_kept"]))
     console.print(t)
