@@ -161,7 +161,7 @@ class AdapterOutput:
                 "--method recall runs each fine-tuned model from its directory, and a LoRA adapter is not "
                 "one; merge it first (`dghard merge --method task-arithmetic BASE ADAPTER --out FT --merge`)"
             )
-        median = (spec is not None and spec.noise == "median") or method == "dg-hard"
+        median = spec.noise == "median" if spec is not None else method == "dg-hard"
         if any_adapter and median and not self.lora.merge:
             raise InputError(degenerate_message(next(f for f in fts if is_adapter(f)), command))
         if self.lora.merge or self.lora.format == "full":

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from dghard_cli.engine.plan import EMBED_IN, EMBED_OUT
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo, path_exists
 from dghard_cli.io.hub import resolve_dir
@@ -241,6 +242,7 @@ class AdapterCheckpoint(Checkpoint):
                 )
         if not lay.modules and not lay.full:
             raise InputError(f"{where}: the adapter holds no LoRA tensors")
+        self._drop_tied_alias(lay, where)
         model_type = (base.config() or {}).get("model_type")
 
         for info, base_name in lay.full:
@@ -277,6 +279,38 @@ class AdapterCheckpoint(Checkpoint):
         self.index_file = base.index_file
         self.shard_metadata = dict(base.shard_metadata)
         self.shards = [ADAPTER_WEIGHTS, ADAPTER_CONFIG]
+
+    def _drop_tied_alias(self, lay, where: str) -> None:
+        """PEFT's ``ensure_weight_tying`` saves the tied output layer's LoRA (the embedding's factors,
+        transposed) and its ``base_layer.weight``; a tied BASE does not store that layer, whose
+        weight *is* the embedding's. Such an alias is dropped once checked to be the exact tie."""
+        base = self.base
+        cfg = base.config() or {}
+        if not cfg.get("tie_word_embeddings", False) and not (cfg.get("text_config") or {}).get(
+            "tie_word_embeddings", False
+        ):
+            return
+        emb = [m for m, lm in lay.modules.items() if lm.embedding and EMBED_IN.search(f"{m}.weight")]
+        for m in list(lay.modules):
+            if f"{m}.weight" in base.tensors or not EMBED_OUT.search(f"{m}.weight") or len(emb) != 1:
+                continue
+            out_lm, in_lm = lay.modules[m], lay.modules[emb[0]]
+            same = (
+                out_lm.a is not None
+                and out_lm.b is not None
+                and in_lm.a is not None
+                and in_lm.b is not None
+                and torch.equal(out_lm.a.read(), in_lm.b.read().T)
+                and torch.equal(out_lm.b.read(), in_lm.a.read().T)
+                and self.cfg.scaling_for(m) == self.cfg.scaling_for(emb[0])
+            )
+            if not same:
+                raise InputError(
+                    f"{where}: module {m!r} has its own LoRA update, but BASE ties it to {emb[0]!r} and does "
+                    "not store it; a tied checkpoint cannot hold two different updates of one weight"
+                )
+            del lay.modules[m]
+            lay.full = [(t, n) for t, n in lay.full if n != f"{m}.weight"]
 
     def _module(self, module: str, lm, cfg: LoraConfig, model_type: str | None, where: str) -> ModuleDelta:
         base = self.base
