@@ -534,3 +534,60 @@ def test_adapters_that_are_not_plain_lora_are_refused_with_a_reason(bases, tmp_p
             str(tmp_path / "o3"),
             merge_opts("wise-ft", lora=LoraOutputOptions(merge=True)),
         )
+
+
+# -- sweep ------------------------------------------------------------------------------------------------------
+SWEEP_EVAL = """
+import json, sys
+from pathlib import Path
+import numpy as np
+from safetensors.numpy import load_file
+
+root = Path(__file__).parent
+model, output = Path(sys.argv[1]), sys.argv[2]
+assert (model / "config.json").exists(), "the evaluation needs a model directory"
+base = load_file(str(root / "base.safetensors"))
+m = load_file(str(model / "model.safetensors"))
+s = np.load(root / "signal.npz")
+num = den = sq = 0.0
+for name in s.files:
+    d = m[name].astype(np.float64) - base[name].astype(np.float64)
+    num += float(np.sum(d * s[name])); den += float(np.sum(s[name] ** 2)); sq += float(np.sum(d * d))
+p, q = num / den, sq / den
+Path(output).write_text(json.dumps({"task": 40 + 40 * p, "general": 70 - 30 * q, "chat": 50.0}))
+"""
+
+
+def test_sweep_takes_an_adapter_and_writes_the_winner_merged(bases, tmp_path):
+    from dghard_cli.sweep.run import SweepOptions, sweep
+
+    base = bases["llama"]
+    ad = make_adapter(
+        "llama", base, tmp_path / "ad", seed=15, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]
+    )
+    deltas = lora_deltas(ad)
+    np.savez(tmp_path / "signal.npz", **deltas)
+    (tmp_path / "base.safetensors").write_bytes((base / "model.safetensors").read_bytes())
+    (tmp_path / "eval.py").write_text(SWEEP_EVAL)
+    families = [{"family": "hard", "grid": [1.0]}, {"family": "wise-ft", "grid": [0.3, 0.7], "refine": False}]
+    out = tmp_path / "out"
+    opts = SweepOptions(
+        eval_template=f"python {tmp_path / 'eval.py'} {{model}} {{output}}",
+        budget=4,
+        families=families,
+        device="cpu",
+        plot=False,
+    )
+    doc = sweep(str(base), str(ad), str(out), opts)
+    skipped = doc["skipped_families"]
+    assert [s["family"] for s in skipped] == ["hard"] and "SPEC §4" in skipped[0]["skipped"]
+    names = [r["name"] for r in doc["candidates"]]
+    assert names == ["wise-ft alpha=0.3", "wise-ft alpha=0.7"], names
+    win = doc["winner"]
+    assert "--merge" in win["reproduce"]["argv"]
+    # OUT holds the winner as a full checkpoint, W_base + α·ΔW
+    alpha = win["params"]["alpha"]
+    got, w0 = load_dir(out), load_dir(base)
+    for name, d in deltas.items():
+        assert np.allclose(f64(got[name]) - f64(w0[name]), alpha * d, atol=1e-6)
+    assert (out / "config.json").exists() and not (out / "adapter_config.json").exists()

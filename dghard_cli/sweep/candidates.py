@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
@@ -447,10 +448,23 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
     )
 
 
-def reproduce_argv(cand: Candidate, base: str, fts: list[str], out: str, device: str) -> list[str]:
-    """The one ``dghard repair``/``dghard merge`` command line that writes this candidate."""
+def degenerate_on_adapters(entry: FamilyEntry) -> bool:
+    """A family whose cut needs the unknown-noise threshold, undefined on a LoRA update."""
+    if entry.family == "dg-hard":
+        return True
+    return (
+        entry.kind.command == "repair" and "sigma" not in entry.fixed and entry.fixed.get("noise") != "known"
+    )
+
+
+def reproduce_argv(
+    cand: Candidate, base: str, fts: list[str], out: str, device: str, *, merge_adapters: bool = False
+) -> list[str]:
+    """The one ``dghard repair``/``dghard merge`` command line that writes this candidate
+    (``merge_adapters``: the fine-tunes are LoRA adapters, written as the full merged checkpoint)."""
     p = cand.param_dict
     dev = ["--device", device] if device != "auto" else []
+    dev = (["--merge"] if merge_adapters else []) + dev
     if cand.command == "repair":
         argv = ["dghard", "repair", base, fts[0], out, "--shrink", p["shrink"], "--scale", _fmt(p["scale"])]
         if p["shrink"] == "twoknob":
@@ -477,11 +491,19 @@ def shell_command(argv: list[str]) -> str:
 
 
 def write_candidate(
-    cand: Candidate, base: str, fts: list[str], out: Path, *, device: str, argv: list[str]
+    cand: Candidate,
+    base: str,
+    fts: list[str],
+    out: Path,
+    *,
+    device: str,
+    argv: list[str],
+    merge_adapters: bool = False,
 ) -> dict:
     """Write ``cand`` into ``out`` with the command's own library function; returns its report."""
     p = cand.param_dict
     run = RunOptions(device=device, quiet=True, argv=argv)
+    lora = LoraOutputOptions(merge=merge_adapters)
     if cand.command == "repair":
         spec = ShrinkSpec(
             shrink=p["shrink"],
@@ -491,7 +513,7 @@ def write_candidate(
             a=p.get("a", 1.0),
             b=p.get("b", 0.0),
         )
-        return repair(base, fts[0], out, RepairOptions(spec=spec, run=run))
+        return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
     opts = MergeOptions(
         method=p["method"],
         alpha=p.get("alpha"),
@@ -501,5 +523,6 @@ def write_candidate(
         seed=p.get("seed"),
         scale=p.get("scale"),
         run=run,
+        lora=lora,
     )
     return merge(base, fts, out, opts)

@@ -41,16 +41,20 @@ from pathlib import Path
 import torch
 
 from dghard_cli import __version__
-from dghard_cli.engine.runner import REPORT_NAME
+from dghard_cli.engine.adapter_run import LoraOutputOptions
+from dghard_cli.engine.runner import REPORT_NAME, RunOptions
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
+from dghard_cli.io.adapter_source import is_adapter, open_ft
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
+from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.score.scoring import MetricRule, ResultFile, Score, read_results, score_candidates
 from dghard_cli.sweep.candidates import (
     Candidate,
     FamilyEntry,
     check_entry,
+    degenerate_on_adapters,
     load_candidates,
     parse_candidates,
     reproduce_argv,
@@ -309,7 +313,10 @@ class _Sweep:
         self.base_ck = open_checkpoint(self.base_spec, label="BASE")
         self.ft_cks: list[Checkpoint] = []
         for i, spec in enumerate(self.ft_specs):
-            self.ft_cks.append(open_checkpoint(spec, label="FT" if i == 0 else f"--merge-ft {spec}"))
+            label = "FT" if i == 0 else f"--merge-ft {spec}"
+            self.ft_cks.append(open_ft(spec, base=self.base_ck, label=label))
+        # LoRA adapters are evaluated, and candidates written, as full merged checkpoints
+        self.adapters = any(is_adapter(f) for f in self.ft_cks)
         check_out_path(
             self.out, [self.base_ck.path, *[f.path for f in self.ft_cks]], overwrite=self.opts.overwrite
         )
@@ -319,7 +326,15 @@ class _Sweep:
         self.active: list[FamilyEntry] = []
         self.skipped: list[dict] = []
         for e in self.entries:
-            if e.applies(n):
+            if self.adapters and degenerate_on_adapters(e):
+                self.skipped.append(
+                    {
+                        **e.describe(),
+                        "skipped": "a LoRA adapter's update has only r non-zero singular values, so the "
+                        "unknown-noise cut is undefined on it (SPEC §4)",
+                    }
+                )
+            elif e.applies(n):
                 check_entry(e, n, f"{self.candidates_source}: families[{e.index}] ({e.family})")
                 self.active.append(e)
             else:
@@ -377,7 +392,10 @@ class _Sweep:
         cached = rec is not None
         if rec is None:
             self.emit(kind="evaluating", name=what)
-            rec, results = self.run_eval(ck.path.resolve(), what, fixed)
+            model = self.merged_adapter(ck) if is_adapter(ck) else ck.path.resolve()
+            rec, results = self.run_eval(model, what, fixed)
+            if is_adapter(ck):
+                shutil.rmtree(model, ignore_errors=True)
             rec = self.cache.put(key, rec, results)
             self.run_count += 1
         else:
@@ -409,6 +427,18 @@ class _Sweep:
             benchmarks=len(rf.scores),
         )
         return rf
+
+    def merged_adapter(self, ck: Checkpoint) -> Path:
+        """A LoRA fine-tune as the full checkpoint the evaluation can load (BASE + ΔW)."""
+        target = self.stage / "adapter-merged"
+        shutil.rmtree(target, ignore_errors=True)
+        opts = MergeOptions(
+            method="task-arithmetic",
+            lora=LoraOutputOptions(merge=True),
+            run=RunOptions(device=self.opts.device, quiet=True),
+        )
+        merge(self.base_spec, [ck.source], target, opts)
+        return target.resolve()
 
     def run_eval(self, model: Path, label: str, fixed: dict | None) -> tuple[dict, Path | None]:
         """Run the evaluation command on ``model``; the cache record and the results file."""
@@ -459,13 +489,21 @@ class _Sweep:
         )
 
     def reproduce(self, cand: Candidate) -> list[str]:
-        return reproduce_argv(cand, self.base_spec, self.ft_specs, self.out_arg, self.opts.device)
+        return reproduce_argv(
+            cand, self.base_spec, self.ft_specs, self.out_arg, self.opts.device, merge_adapters=self.adapters
+        )
 
     def write(self, cand: Candidate, key: str, target: Path) -> dict:
         shutil.rmtree(target, ignore_errors=True)
         t0 = time.perf_counter()
         write_candidate(
-            cand, self.base_spec, self.ft_specs, target, device=self.opts.device, argv=self.reproduce(cand)
+            cand,
+            self.base_spec,
+            self.ft_specs,
+            target,
+            device=self.opts.device,
+            argv=self.reproduce(cand),
+            merge_adapters=self.adapters,
         )
         secs = time.perf_counter() - t0
         self.t["write"] += secs
