@@ -591,3 +591,32 @@ def test_sweep_takes_an_adapter_and_writes_the_winner_merged(bases, tmp_path):
     for name, d in deltas.items():
         assert np.allclose(f64(got[name]) - f64(w0[name]), alpha * d, atol=1e-6)
     assert (out / "config.json").exists() and not (out / "adapter_config.json").exists()
+
+
+def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeypatch):
+    import dghard_cli.engine.adapter_run as adapter_run
+    from dghard_cli.errors import Interrupted
+
+    base, ft = bases["llama"], full_fts["llama"]
+    opts = RepairOptions(run=quiet(), lora=LoraOutputOptions(format="peft"))
+    whole = tmp_path / "whole"
+    repair(str(base), str(ft), str(whole), opts)
+    real, calls = adapter_run.factorize, []
+
+    def flaky(*a, **k):
+        calls.append(1)
+        if len(calls) == 6:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(adapter_run, "factorize", flaky)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted, match="run the same command again"):
+        repair(str(base), str(ft), str(out), opts)
+    assert not out.exists() and any(tmp_path.glob(".out.dghard-partial/dghard-spool-*"))
+    monkeypatch.setattr(adapter_run, "factorize", real)
+    doc = repair(str(base), str(ft), str(out), opts)
+    assert doc["output"]["resumed_units"] >= 5
+    name = "adapter_model.safetensors"
+    assert (out / name).read_bytes() == (whole / name).read_bytes()
+    assert not list(out.glob("dghard-spool-*")) and not list(out.glob("dghard_journal*"))

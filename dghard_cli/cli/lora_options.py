@@ -50,6 +50,18 @@ def render_adapter(console: Console, doc: dict) -> None:
 
     a = doc.get("adapter", {})
     out = doc["output"]
+    if out.get("dry_run"):
+        s = doc["summary"]
+        route = doc["parameters"].get("adapter_route")
+        console.print(
+            Text(
+                f"dry run: {out['path']} would get a PEFT LoRA adapter ({route} route) from {s['tensors']} "
+                f"tensors; the full checkpoint would be {out['full_checkpoint_bytes'] / 1e6:.1f} MB"
+            )
+        )
+        for note in doc.get("notes", []):
+            console.print(Text(f"note: {note}"))
+        return
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()

@@ -302,7 +302,7 @@ def merge_cmd(
         return merge(base, fts, Path(out_dir), opts)
 
     doc = run_cli(body, verbose=verbose)
-    if is_adapter_doc(doc) and not dry_run:
+    if is_adapter_doc(doc):
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
     elif dry_run:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))

@@ -200,7 +200,7 @@ def repair_cmd(
             lora=lora_options(output_format, merge, rank),
         )
         doc = repair(base, ft, out, opts)
-        if is_adapter_doc(doc) and not dry_run:
+        if is_adapter_doc(doc):
             emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
         elif dry_run:
             emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
