@@ -78,7 +78,8 @@ def render_adapter(console: Console, doc: dict) -> None:
     t.add_row("size", f"{size / 1e6:.2f} MB{ratio}")
     t.add_row(
         "energy lost",
-        f"{a.get('energy_lost_max', 0.0):.3g} (largest share of a module's update cut by --rank)",
+        f"{a.get('energy_lost_max', 0.0):.3g} (largest share of a module's update cut by the rank limit: "
+        f"{a.get('rank_cap') or 'none'})",
     )
     t.add_row("time", f"{doc['timings'].get('total', 0.0):.1f} s")
     console.print(t)

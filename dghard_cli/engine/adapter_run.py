@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -48,9 +49,10 @@ from dghard_cli.engine.plan import EMBED_IN, EMBED_OUT, Plan, TensorJob
 from dghard_cli.engine.runner import RunOptions, fingerprint, inputs_doc, plan_records
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.adapter_source import CONV1D_MODEL_TYPES, AdapterCheckpoint, is_adapter
-from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
+from dghard_cli.io.checkpoint import Checkpoint, FileReader, TensorInfo
 from dghard_cli.io.lora_adapter import PEFT_PREFIX
 from dghard_cli.io.peft_writer import (
+    SPOOL_PREFIX,
     AdapterStage,
     adapter_config,
     check_modules_to_save,
@@ -59,7 +61,7 @@ from dghard_cli.io.peft_writer import (
 )
 from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.report import build as report_mod
-from dghard_cli.spectral.lowrank import Factors, factorize, factorize_product
+from dghard_cli.spectral.lowrank import Factors, factorize, factorize_product, factors_from_gram, gram_add
 
 FORMATS = ("auto", "full", "peft")
 #: Methods whose update is not low-rank for full fine-tunes: ``--format peft`` needs ``--rank``.
@@ -129,6 +131,59 @@ def ties_embeddings(ck: Checkpoint) -> bool:
     if isinstance(text, dict) and "tie_word_embeddings" in text:
         tie = tie or bool(text["tie_word_embeddings"])
     return tie
+
+
+#: Updates larger than this (float32 bytes) wait for the factorisation's second pass on disk.
+SPILL_BYTES = 64 * 1024 * 1024
+
+
+class _DeltaStore:
+    """A tensor's float32 update as it arrives in row blocks: in memory, or in a scratch file in
+    the staging directory (removed when done), read back block by block."""
+
+    def __init__(self, directory: Path, shape: tuple[int, ...], *, spill: bool) -> None:
+        self.shape = shape
+        self.parts: list[torch.Tensor] = []
+        self.rows: list[int] = []
+        self.path = Path(directory) / f"{SPOOL_PREFIX}delta.tmp" if spill else None
+        self._fh = open(self.path, "wb") if self.path is not None else None  # noqa: SIM115 - closed in close()
+
+    def append(self, d: torch.Tensor) -> None:
+        if self._fh is None:
+            self.parts.append(d)
+        else:
+            self._fh.write(memoryview(d.contiguous().reshape(-1).numpy()).cast("B"))
+            self.rows.append(int(d.shape[0]))
+
+    def finish(self) -> None:
+        if self._fh is not None:
+            self._fh.close()
+            self._fh = None
+
+    def blocks(self):
+        if self.path is None:
+            yield from self.parts
+            return
+        reader = FileReader(self.path)
+        row_floats = math.prod(self.shape[1:])
+        offset = 0
+        try:
+            for n in self.rows:
+                buf = torch.empty((n, *self.shape[1:]), dtype=torch.float32)
+                reader.read_into(memoryview(buf.reshape(-1).view(torch.uint8).numpy()), offset, "scratch")
+                offset += n * row_floats * 4
+                yield buf
+        finally:
+            reader.close()
+
+    def whole(self) -> torch.Tensor:
+        return torch.cat(list(self.blocks()), dim=0) if len(self.shape) >= 1 else self.parts[0]
+
+    def close(self) -> None:
+        self.finish()
+        self.parts = []
+        if self.path is not None:
+            self.path.unlink(missing_ok=True)
 
 
 class AdapterOutput:
@@ -258,6 +313,7 @@ class AdapterOutput:
             if self.exact:
                 units = self._exact_units(stage)
             else:
+                self._stage = stage
                 units = self._factored_units(stage, plan, make_op(device), device, run)
             timings["compute"] = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -457,9 +513,17 @@ class AdapterOutput:
     def _factored_unit(
         self, job: TensorJob, op: TensorOp, device: torch.device, run: RunOptions, caps: dict, model_type
     ) -> tuple[dict, dict[str, torch.Tensor]]:
+        """One tensor: the method's output in float64, its update Δ* = W* − W_base, its factors.
+
+        A tall matrix's float64 Gram is accumulated while the method's row blocks arrive and Δ*
+        (float32) goes to a scratch file in the staging directory when it is large, for the second
+        pass of the factorisation; W* itself is kept only for what is written whole (1-D tensors,
+        updates that are not low-rank), so memory stays a few blocks plus the factors.
+        """
         job64 = dataclasses.replace(job, out_dtype="F64")
         src = Sources(job64, None, allow_nonfinite=run.allow_nonfinite)
         rec = base_record(job)
+        rec["module"] = job.name.rsplit(".", 1)[0] if "." in job.name else job.name
         t0 = time.perf_counter()
         if job.runs_method:
             blocks = op(job64, src, rec)
@@ -467,62 +531,86 @@ class AdapterOutput:
             blocks = passthrough(job64, src, rec, "base" if job.action == "kept-base" else "ft0")
         shape = tuple(job.shape)
         out_dt = torch_dtype(job.out_dtype)
-        values, deltas = [], []
-        r0 = 0
-        for blk in blocks:
-            t = blk.view(torch.float64) if blk.dtype == torch.uint8 else blk.to(torch.float64)
-            if len(shape) >= 2:
-                t = t.reshape(-1, *shape[1:])
-                rows = (r0, r0 + t.shape[0])
-                r0 += t.shape[0]
-                b = job.base.read(rows).to(torch.float64) if job.base is not None else torch.zeros_like(t)
-            else:
-                t = t.reshape(shape)
-                b = job.base.read().to(torch.float64) if job.base is not None else torch.zeros_like(t)
-            values.append(t.to(out_dt))
-            deltas.append(t.sub_(b).to(torch.float32))
-            del t, b
-        del blocks
-        value = torch.cat(values, dim=0) if len(shape) >= 1 else values[0]
-        delta = torch.cat(deltas, dim=0) if len(shape) >= 1 else deltas[0]
-        del values, deltas
-        rec["module"] = job.name.rsplit(".", 1)[0] if "." in job.name else job.name
-        if not bool(torch.any(delta != 0)):
-            rec["written_as"] = "unchanged"
-            rec["seconds"] = round(time.perf_counter() - t0, 6)
-            return rec, {}
-        lora_able = len(shape) == 2 and job.name.endswith(".weight") and bool(torch.isfinite(delta).all())
-        if lora_able:
-            module = rec["module"]
-            cap = self.lora.rank if self.lora.rank is not None else caps.get(module)
-            fac: Factors = factorize(delta, cap, device=device)
-            m, n = shape
-            small_enough = fac.rank * (m + n) < m * n
-            if fac.rank and (small_enough or cap is not None):
-                embedding = bool(EMBED_IN.search(job.name))
-                transposed = embedding or (
-                    model_type in CONV1D_MODEL_TYPES and not EMBED_OUT.search(job.name)
-                )
-                if transposed:
-                    a, b = fac.left.T, fac.right.T
+        lora_able = len(shape) == 2 and job.name.endswith(".weight")
+        tall = lora_able and shape[0] >= shape[1]
+        value = None if lora_able else torch.empty(shape, dtype=out_dt)
+        store = _DeltaStore(self._stage.dir, shape, spill=tall and math.prod(shape) * 4 > SPILL_BYTES)
+        gram = torch.zeros((shape[1], shape[1]), dtype=torch.float64, device=device) if tall else None
+        nonzero, finite, r0 = False, True, 0
+        try:
+            for blk in blocks:
+                t = blk.view(torch.float64) if blk.dtype == torch.uint8 else blk.to(torch.float64)
+                if len(shape) >= 2:
+                    t = t.reshape(-1, *shape[1:])
+                    rows = (r0, r0 + t.shape[0])
+                    b = job.base.read(rows) if job.base is not None else None
                 else:
-                    a, b = fac.right, fac.left
-                dt = torch_dtype(self._factor_dtype)
-                rec.update(
-                    {
-                        "written_as": "lora",
-                        "embedding": embedding,
-                        "transposed": transposed,
-                        "rank": fac.rank,
-                        "lora": fac.stats(),
-                        "energy_lost": fac.energy_lost,
-                    }
-                )
+                    t = t.reshape(shape)
+                    rows = None
+                    b = job.base.read() if job.base is not None else None
+                if value is not None:
+                    if rows is None:
+                        value.copy_(t)
+                    else:
+                        value[rows[0] : rows[1]] = t
+                if b is not None:
+                    t.sub_(b.to(torch.float64))
+                d32 = t.to(torch.float32)
+                del t, b
+                nonzero = nonzero or bool(torch.any(d32 != 0))
+                finite = finite and bool(torch.isfinite(d32).all())
+                if gram is not None and finite:
+                    gram_add(gram, d32)
+                store.append(d32)
+                if rows is not None:
+                    r0 = rows[1]
+            del blocks
+            store.finish()
+            if not nonzero:
+                rec["written_as"] = "unchanged"
                 rec["seconds"] = round(time.perf_counter() - t0, 6)
-                return rec, {"A": a.contiguous().to(dt), "B": b.contiguous().to(dt)}
-        rec["written_as"] = "full"
-        rec["seconds"] = round(time.perf_counter() - t0, 6)
-        return rec, {"value": value.contiguous()}
+                return rec, {}
+            if lora_able and finite:
+                module = rec["module"]
+                cap = self.lora.rank if self.lora.rank is not None else caps.get(module)
+                if gram is not None:
+                    fac: Factors = factors_from_gram(gram, shape, store.blocks, cap)
+                else:
+                    fac = factorize(store.whole(), cap, device=device)
+                del gram
+                m, n = shape
+                if fac.rank and (fac.rank * (m + n) < m * n or cap is not None):
+                    embedding = bool(EMBED_IN.search(job.name))
+                    transposed = embedding or (
+                        model_type in CONV1D_MODEL_TYPES and not EMBED_OUT.search(job.name)
+                    )
+                    a, b = (fac.left.T, fac.right.T) if transposed else (fac.right, fac.left)
+                    dt = torch_dtype(self._factor_dtype)
+                    rec.update(
+                        {
+                            "written_as": "lora",
+                            "embedding": embedding,
+                            "transposed": transposed,
+                            "rank": fac.rank,
+                            "lora": fac.stats(),
+                            "energy_lost": fac.energy_lost,
+                        }
+                    )
+                    rec["seconds"] = round(time.perf_counter() - t0, 6)
+                    return rec, {"A": a.contiguous().to(dt), "B": b.contiguous().to(dt)}
+            if value is None:  # written whole after all: W* = W_base + Δ*, to float32 rounding of Δ*
+                value = torch.empty(shape, dtype=out_dt)
+                r = 0
+                for d in store.blocks():
+                    rows = (r, r + d.shape[0])
+                    base = job.base.read(rows).to(torch.float64) if job.base is not None else 0.0
+                    value[rows[0] : rows[1]] = d.to(torch.float64) + base
+                    r = rows[1]
+            rec["written_as"] = "full"
+            rec["seconds"] = round(time.perf_counter() - t0, 6)
+            return rec, {"value": value}
+        finally:
+            store.close()
 
     def _tied_unit(
         self, stage: AdapterStage, index: int, job: TensorJob, units: list[tuple[int, dict]]
@@ -632,6 +720,15 @@ class AdapterOutput:
             "rank_pattern_entries": len(config["rank_pattern"]),
             "energy_lost_max": max(lost) if lost else 0.0,
             "tied_embeddings": bool(tied_lora),
+            "rank_cap": (
+                f"--rank {self.lora.rank}"
+                if self.lora.rank is not None
+                else (
+                    "the largest input rank of each module"
+                    if not self.exact and self._default_caps()
+                    else None
+                )
+            ),
             "route": "exact" if self.exact else "factored",
         }
         return items, config, summary

@@ -58,6 +58,8 @@ from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 
 #: dtype of the adapted (computed) tensors: W_base + ΔW rounded once to float32.
 VIEW_DTYPE = "F32"
+#: float64 rows computed at a time when an adapted tensor is read.
+COMPUTE_BLOCK_BYTES = 32 * 1024 * 1024
 
 #: transformers model types whose attention/MLP layers are Conv1D (weights stored ``in x out``).
 CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp"})
@@ -149,13 +151,20 @@ class ComputedTensorInfo(TensorInfo):
     output_dtype: str | None = None
 
     def read_raw(self, rows: tuple[int, int] | None = None, *, pin: bool = False) -> torch.Tensor:
+        """float32 bytes of the tensor (or rows ``[r0, r1)``), computed in row blocks so the float64
+        intermediate stays within ``COMPUTE_BLOCK_BYTES`` whatever the tensor's size."""
         assert self.compute is not None
-        t = self.compute(rows).to(torch.float32).contiguous().reshape(-1).view(torch.uint8)
-        if pin:
-            buf = torch.empty(t.numel(), dtype=torch.uint8, pin_memory=True)
-            buf.copy_(t)
-            return buf
-        return t
+        r0, r1 = rows if rows is not None else (0, self.shape[0] if self.shape else 1)
+        shape = (r1 - r0, *self.shape[1:]) if self.shape else ()
+        out = torch.empty(shape, dtype=torch.float32, pin_memory=pin)
+        if len(self.shape) < 2:
+            out.copy_(self.compute(rows).reshape(shape))
+        else:
+            step = max(1, COMPUTE_BLOCK_BYTES // max(1, 8 * math.prod(self.shape[1:])))
+            for a in range(r0, r1, step):
+                b = min(r1, a + step)
+                out[a - r0 : b - r0] = self.compute((a, b))
+        return out.reshape(-1).view(torch.uint8)
 
 
 def _computed(like: TensorInfo, name: str, shard: str, file: Path, compute, output_dtype: str) -> TensorInfo:

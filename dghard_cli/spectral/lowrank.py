@@ -15,6 +15,8 @@ to get such factors exactly:
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -95,24 +97,49 @@ def factorize(
     x = delta if tall else delta.T
     rows, cols = x.shape
     step = max(1, block_bytes // max(1, 8 * cols))
+
+    def blocks() -> Iterable[torch.Tensor]:
+        return (x[r0 : r0 + step] for r0 in range(0, rows, step))
+
     g = torch.zeros((cols, cols), dtype=F64, device=device)
-    for r0 in range(0, rows, step):
-        xb = x[r0 : r0 + step].to(device=device, dtype=F64)
-        g.addmm_(xb.T, xb)
+    for xb in blocks():
+        gram_add(g, xb)
+    fac = factors_from_gram(g, (rows, cols), blocks, max_rank)
+    if tall:
+        return fac
+    return dataclasses.replace(fac, left=fac.right.T.contiguous(), right=fac.left.T.contiguous())
+
+
+def gram_add(g: torch.Tensor, xb: torch.Tensor) -> None:
+    """``g += xbᵀ xb`` in float64 on ``g``'s device (``xb``: a row block of the tall form)."""
+    x = xb.to(device=g.device, dtype=F64)
+    g.addmm_(x.T, x)
+
+
+def factors_from_gram(
+    g: torch.Tensor,
+    shape: tuple[int, int],
+    blocks: Callable[[], Iterable[torch.Tensor]],
+    max_rank: int | None = None,
+) -> Factors:
+    """Top-``k`` factors of a tall matrix ``X`` (``N x M``, ``N >= M``) from its float64 Gram
+    ``g = XᵀX`` and a second pass over its row blocks (``blocks()`` yields them in order):
+    ``X ≈ (X V_k) V_kᵀ``. The matrix itself never has to be in memory."""
+    rows, cols = shape
+    device = g.device
     fro2 = float(torch.trace(g))
     if not fro2 > 0:
-        return _empty(m, n, max(fro2, 0.0), device)
+        return _empty(rows, cols, max(fro2, 0.0), device)
     evals, evecs = torch.linalg.eigh(g)
     evals, evecs = evals.flip(0), evecs.flip(1)
     sigma = torch.sqrt(torch.clamp(evals, min=0.0)).cpu().numpy()
     numerical, k = _rank(sigma, max_rank)
     if k == 0:
-        return _empty(m, n, fro2, device)
+        return _empty(rows, cols, fro2, device)
     v = evecs[:, :k].contiguous()
-    y = torch.cat([x[r0 : r0 + step].to(device=device, dtype=F64) @ v for r0 in range(0, rows, step)], dim=0)
+    y = torch.cat([xb.to(device=device, dtype=F64) @ v for xb in blocks()], dim=0)
     kept2 = float(torch.sum(y * y))
-    left, right = (y, v.T.contiguous()) if tall else (v, y.T.contiguous())
-    return Factors(left, right, sigma[:numerical], numerical, fro2, kept2)
+    return Factors(y, v.T.contiguous(), sigma[:numerical], numerical, fro2, kept2)
 
 
 def factorize_product(b: torch.Tensor, a: torch.Tensor, max_rank: int | None = None) -> Factors:
