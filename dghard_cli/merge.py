@@ -22,10 +22,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.engine.adapter_run import AdapterOutput, LoraOutputOptions
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
+from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
@@ -61,6 +63,7 @@ class MergeOptions:
     block_bytes: int = 64 * 1024 * 1024  # row blocks of large tensors (work copies of all inputs)
     whole_bytes: int = WHOLE_BYTES  # TIES: whole tensors up to this size (all work copies)
     create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
+    lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
 
 
 def canonical_method(method: str) -> str:
@@ -140,9 +143,18 @@ def merge(
         ft_cks = []
         for k, (ft, rev) in enumerate(zip(fts, revs, strict=True), start=1):
             label = "FT" if len(fts) == 1 else f"FT #{k}"
-            ck = open_checkpoint(str(ft), revision=rev, label=label)
+            ck = open_ft(str(ft), base=base_ck, revision=rev, label=label)
             opened.append(ck)
             ft_cks.append(ck)
+        output = AdapterOutput(
+            opts.lora,
+            base_ck,
+            ft_cks,
+            command="merge",
+            method=method,
+            params=p,
+            out_dtype=opts.policy.out_dtype,
+        )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
         _check_dtypes(ft_cks)
         timings = {"plan": time.perf_counter() - t0}
@@ -160,6 +172,17 @@ def merge(
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
         parameters = {**p, **policy_parameters(opts.policy)}
+        if output.format == "peft":
+            if opts.create_parents and not opts.run.dry_run:
+                Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+            return output.write(
+                out=Path(out),
+                plan=plan,
+                make_op=lambda device: _make_op(method, p, opts, None, device),
+                run=opts.run,
+                parameters=parameters,
+            )
+        parameters.update(output.full_parameters())
 
         def extra_report(records: list[dict]) -> dict:
             return {**extra, "merge": registry.summary(method, records, p)}

@@ -10,8 +10,10 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.engine.adapter_run import AdapterOutput, LoraOutputOptions
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
+from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.methods.dg_hard import SpectralFilterOp, default_block_bytes
 from dghard_cli.spectral.spectrum import ShrinkSpec
@@ -26,6 +28,7 @@ class RepairOptions:
     ft_revision: str | None = None
     block_bytes: int | None = None  # float64 block size of the spectral passes; None: by device
     route: str = "auto"  # auto | gram64 | qr32 (see spectral.choose_route)
+    lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
 
 
 def repair_parameters(opts: RepairOptions) -> dict:
@@ -59,22 +62,44 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
     opts = options or RepairOptions()
     t0 = time.perf_counter()
     base_ck = open_checkpoint(str(base), revision=opts.base_revision, label="BASE")
-    ft_ck = open_checkpoint(str(ft), revision=opts.ft_revision, label="FT")
     try:
+        ft_ck = open_ft(str(ft), base=base_ck, revision=opts.ft_revision, label="FT")
+    except BaseException:
+        base_ck.close()
+        raise
+    try:
+        method = "dg-hard" if opts.spec.shrink == "hard" else f"spectral-{opts.spec.shrink}"
+        output = AdapterOutput(
+            opts.lora,
+            base_ck,
+            [ft_ck],
+            command="repair",
+            method=method,
+            params={},
+            spec=opts.spec,
+            out_dtype=opts.policy.out_dtype,
+        )
         plan = build_plan(base_ck, [ft_ck], opts.policy)
         timings = {"plan": time.perf_counter() - t0}
-        method = "dg-hard" if opts.spec.shrink == "hard" else f"spectral-{opts.spec.shrink}"
+
+        def make_op(device):
+            return SpectralFilterOp(
+                opts.spec, device, opts.block_bytes or default_block_bytes(device), opts.route
+            )
+
+        if output.format == "peft":
+            return output.write(
+                out=Path(out), plan=plan, make_op=make_op, run=opts.run, parameters=repair_parameters(opts)
+            )
         return write_model(
             command="repair",
             method=method,
-            parameters=repair_parameters(opts),
+            parameters={**repair_parameters(opts), **output.full_parameters()},
             base=base_ck,
             fts=[ft_ck],
             out=Path(out),
             plan=plan,
-            make_op=lambda device: SpectralFilterOp(
-                opts.spec, device, opts.block_bytes or default_block_bytes(device), opts.route
-            ),
+            make_op=make_op,
             run=opts.run,
             timings=timings,
         )

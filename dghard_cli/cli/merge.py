@@ -11,16 +11,20 @@ import typer
 
 from dghard_cli.cli.common import (
     BaseRevisionOpt,
+    FormatOpt,
     IncludeOpt,
     JsonOpt,
+    MergeOpt,
     OverwriteOpt,
     QuietOpt,
+    RankOpt,
     VerboseOpt,
     app,
     emit,
+    lora_options,
     run_cli,
 )
-from dghard_cli.cli.render import render_merge, render_plan
+from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_merge, render_plan
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
@@ -43,6 +47,12 @@ MERGE_EPILOG = """
     dghard merge --method dg-hard --weights 1,1 BASE FT_A FT_B --out m   # DG-Hard each delta, then sum
 
     dghard merge --config configs/ties.yaml                          # a YAML recipe
+
+    dghard merge --method task-arithmetic BASE ADAPTER --out merged --merge   # adapter into BASE
+
+    dghard merge --method wise-ft --alpha 0.6 BASE ADAPTER --out weaker       # an adapter, B scaled
+
+    dghard merge --method ties --weights 1,1 BASE AD_A AD_B --out m --rank 16  # adapters -> adapter
 """
 
 
@@ -114,6 +124,9 @@ def _tail(
         Optional[str],
         typer.Option("--device", help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present)."),
     ] = None,
+    output_format: FormatOpt = "auto",
+    merge_adapter: MergeOpt = False,
+    rank: RankOpt = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     json_out: JsonOpt = False,
@@ -252,11 +265,14 @@ def merge_cmd(**kw) -> None:
             base_revision=rev_base,
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
+            lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"]),
         )
         return merge(base, fts, Path(out_dir), opts)
 
     doc = run_cli(body, verbose=verbose)
-    if dry_run:
+    if is_adapter_doc(doc):
+        emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
+    elif dry_run:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
     else:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_merge(c, doc))
