@@ -33,11 +33,14 @@ Two ways to the adapter (written by :class:`~dghard_cli.io.peft_writer.AdapterSt
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import math
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +49,7 @@ import torch
 from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import JobInputs, TensorOp, base_record, passthrough
+from dghard_cli.engine.pipeline import EngineOptions
 from dghard_cli.engine.plan import Plan, TensorJob
 from dghard_cli.engine.runner import RunOptions, fingerprint, inputs_doc, plan_records
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
@@ -138,6 +142,9 @@ def ties_embeddings(ck: Checkpoint) -> bool:
 SPILL_BYTES = 64 * 1024 * 1024
 
 
+_SCRATCH = itertools.count()
+
+
 class _DeltaStore:
     """A tensor's float32 update as it arrives in row blocks: in memory, or in a scratch file in
     the staging directory (removed when done), read back block by block."""
@@ -146,7 +153,7 @@ class _DeltaStore:
         self.shape = shape
         self.parts: list[torch.Tensor] = []
         self.rows: list[int] = []
-        self.path = Path(directory) / f"{SPOOL_PREFIX}delta.tmp" if spill else None
+        self.path = Path(directory) / f"{SPOOL_PREFIX}delta-{next(_SCRATCH)}.tmp" if spill else None
         self._fh = open(self.path, "wb") if self.path is not None else None  # noqa: SIM115 - closed in close()
 
     def append(self, d: torch.Tensor) -> None:
@@ -486,20 +493,59 @@ class AdapterOutput:
     def _factored_units(
         self, stage: AdapterStage, plan: Plan, op: TensorOp, device: torch.device, run: RunOptions
     ) -> list[tuple[int, dict]]:
+        """Every tensor of the plan, in order; on the CPU small ones two (or more) at a time, one
+        thread each, as the streaming pipeline computes them (large ones alone, all threads)."""
         model_type = (self.base.config() or {}).get("model_type")
         caps = self._default_caps()
         units: list[tuple[int, dict]] = []
-        for index, job in enumerate(plan.jobs):
-            done = stage.resumed(index)
-            if done is not None:
-                units.append((index, done))
-                continue
-            if job.action == "tied":
-                units.append((index, self._tied_unit(stage, index, job, units)))
-                continue
-            rec, tensors = self._factored_unit(job, op, device, run, caps, model_type)
-            stage.put(index, tensors, rec)
-            units.append((index, rec))
+        opts = run.engine or EngineOptions.for_device(device)
+        workers = max(1, opts.compute_workers)
+        threads = torch.get_num_threads()
+        pool = (
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="dghard-adapter")
+            if workers > 1
+            else None
+        )
+        pending: deque = deque()
+
+        def one(job: TensorJob) -> tuple[dict, dict[str, torch.Tensor]]:
+            torch.set_num_threads(1)
+            return self._factored_unit(job, op, device, run, caps, model_type)
+
+        def flush(keep: int = 0) -> None:
+            while len(pending) > keep:
+                index, fut = pending.popleft()
+                rec, tensors = fut.result()
+                stage.put(index, tensors, rec)
+                units.append((index, rec))
+
+        try:
+            for index, job in enumerate(plan.jobs):
+                done = stage.resumed(index)
+                if done is not None:
+                    flush()
+                    units.append((index, done))
+                    continue
+                if job.action == "tied":
+                    flush()
+                    units.append((index, self._tied_unit(stage, index, job, units)))
+                    continue
+                if pool is not None and job.in_nbytes <= opts.parallel_bytes:
+                    pending.append((index, pool.submit(one, job)))
+                    flush(keep=workers)
+                    continue
+                flush()
+                torch.set_num_threads(threads)
+                rec, tensors = self._factored_unit(job, op, device, run, caps, model_type)
+                stage.put(index, tensors, rec)
+                units.append((index, rec))
+            flush()
+        finally:
+            for _, fut in pending:
+                fut.cancel()
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+            torch.set_num_threads(threads)
         return units
 
     def _default_caps(self) -> dict[str, int]:

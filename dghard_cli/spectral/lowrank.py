@@ -22,6 +22,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dghard_cli.spectral.routes import spectrum_from_gram
+
 F64 = torch.float64
 #: Singular values below this fraction of the largest are rounding noise (the Gram route resolves
 #: about √ε₆₄ ≈ 1.5e-8 of σ₁, a float32-stored delta about 6e-8 of each entry).
@@ -130,13 +132,14 @@ def factors_from_gram(
     fro2 = float(torch.trace(g))
     if not fro2 > 0:
         return _empty(rows, cols, max(fro2, 0.0), device)
-    evals, evecs = torch.linalg.eigh(g)
-    evals, evecs = evals.flip(0), evecs.flip(1)
-    sigma = torch.sqrt(torch.clamp(evals, min=0.0)).cpu().numpy()
+    # eigenvalues first, then only the k vectors needed (certified subspace iteration on the CPU,
+    # else the full decomposition): the spectral core's own route
+    spectrum = spectrum_from_gram(g, (rows, cols))
+    sigma = spectrum.sigma
     numerical, k = _rank(sigma, max_rank)
     if k == 0:
         return _empty(rows, cols, fro2, device)
-    v = evecs[:, :k].contiguous()
+    v = spectrum.vectors_for(np.arange(k)).to(device).contiguous()
     y = torch.cat([xb.to(device=device, dtype=F64) @ v for xb in blocks()], dim=0)
     kept2 = float(torch.sum(y * y))
     return Factors(y, v.T.contiguous(), sigma[:numerical], numerical, fro2, kept2)
