@@ -27,10 +27,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.engine.adapter_run import AdapterOutput, LoraOutputOptions
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
+from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
@@ -72,6 +74,7 @@ class MergeOptions:
     #: parameters that vary by tensor (a mergekit recipe's gradients/filters): ``(name, layers) ->
     #: parameter values by name``, see :mod:`dghard_cli.methods.per_tensor`
     tensor_parameters: TensorParameterSource | None = None
+    lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
 
 
 def canonical_method(method: str) -> str:
@@ -151,9 +154,18 @@ def merge(
         ft_cks = []
         for k, (ft, rev) in enumerate(zip(fts, revs, strict=True), start=1):
             label = "FT" if len(fts) == 1 else f"FT #{k}"
-            ck = open_checkpoint(str(ft), revision=rev, label=label)
+            ck = open_ft(str(ft), base=base_ck, revision=rev, label=label)
             opened.append(ck)
             ft_cks.append(ck)
+        output = AdapterOutput(
+            opts.lora,
+            base_ck,
+            ft_cks,
+            command="merge",
+            method=method,
+            params=p,
+            out_dtype=opts.policy.out_dtype,
+        )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
         _check_dtypes(ft_cks)
         strengths = sched.bind(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
@@ -185,6 +197,22 @@ def merge(
         if strengths is not None:
             extra["layer_strengths"] = strengths.report()
             make_op = sched.wrap(make_op)
+        if output.format == "peft":
+            if strengths is not None:
+                raise InputError(
+                    "a layer-strength schedule (--lines/--layer-strengths) is written as a full checkpoint: "
+                    "drop --format peft, or pass --merge when the fine-tunes are LoRA adapters"
+                )
+            if opts.create_parents and not opts.run.dry_run:
+                Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+            return output.write(
+                out=Path(out),
+                plan=plan,
+                make_op=make_op,
+                run=opts.run,
+                parameters=parameters,
+            )
+        parameters.update(output.full_parameters())
 
         def extra_report(records: list[dict]) -> dict:
             return {**extra, "merge": registry.summary(method, records, p)}

@@ -19,6 +19,7 @@ from rich.text import Text
 
 from dghard_cli import __version__
 from dghard_cli.cli.progress import RichBar
+from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.memory import limit_allocator_retention
 from dghard_cli.engine.progress import set_terminal_bar
 from dghard_cli.errors import CheckFailed, DGHardError
@@ -59,6 +60,42 @@ JsonOpt = Annotated[
         "--json", help="Print the machine-readable result (one JSON document) on stdout and nothing else."
     ),
 ]
+
+
+# -- output format of repair and merge (a PEFT LoRA adapter or a full checkpoint) ---------------
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="Output: auto (an adapter when every FT is a PEFT LoRA adapter, else a full checkpoint), "
+        "full, or peft (a PEFT LoRA adapter whose per-module rank is the kept rank).",
+    ),
+]
+MergeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--merge",
+        help="FT is a LoRA adapter: write the full merged checkpoint (BASE + ΔW, as PEFT's merge_and_unload) "
+        "instead of an adapter.",
+    ),
+]
+RankOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--rank",
+        help="--format peft: truncate each module's update to this rank with the exact SVD (needed when "
+        "the update is not low-rank: TIES, DARE, strengths of full fine-tunes); the energy lost is reported.",
+    ),
+]
+
+
+def lora_options(fmt: str, merge: bool, rank: int | None) -> LoraOutputOptions:
+    """The library's output options from ``--format``, ``--merge`` and ``--rank``."""
+    return LoraOutputOptions(format=fmt.strip().lower(), merge=merge, rank=rank)
+
+
+def is_adapter_doc(doc: dict) -> bool:
+    return (doc.get("output") or {}).get("format") == "peft"
 
 
 def _err_console() -> Console:

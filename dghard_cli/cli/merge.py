@@ -11,16 +11,20 @@ import typer
 
 from dghard_cli.cli.common import (
     BaseRevisionOpt,
+    FormatOpt,
     IncludeOpt,
     JsonOpt,
+    MergeOpt,
     OverwriteOpt,
     QuietOpt,
+    RankOpt,
     VerboseOpt,
     app,
     emit,
+    lora_options,
     run_cli,
 )
-from dghard_cli.cli.render import render_merge, render_plan
+from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_merge, render_plan
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
@@ -52,6 +56,11 @@ MERGE_EPILOG = """
 
     dghard merge --method ties --lines 0.2,0.6 BASE FT_A FT_B --out m   # W_base + λ(ℓ)·τ_merged
     dghard merge --config mergekit.yml --out merged                  # a mergekit recipe, unchanged
+    dghard merge --method task-arithmetic BASE ADAPTER --out merged --merge   # adapter into BASE
+
+    dghard merge --method wise-ft --alpha 0.6 BASE ADAPTER --out weaker       # an adapter, B scaled
+
+    dghard merge --method ties --weights 1,1 BASE AD_A AD_B --out m --rank 16  # adapters -> adapter
 """
 
 
@@ -123,6 +132,9 @@ def _tail(
         Optional[str],
         typer.Option("--device", help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present)."),
     ] = None,
+    output_format: FormatOpt = "auto",
+    merge_adapter: MergeOpt = False,
+    rank: RankOpt = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     json_out: JsonOpt = False,
@@ -303,11 +315,14 @@ def merge_cmd(**kw) -> None:
                 if recipe is not None and recipe.tensor_parameters is not None
                 else None
             ),
+            lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"]),
         )
         return merge(base, fts, Path(out_dir), opts)
 
     doc = run_cli(body, verbose=verbose)
-    if dry_run:
+    if is_adapter_doc(doc):
+        emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
+    elif dry_run:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
     else:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_merge(c, doc))

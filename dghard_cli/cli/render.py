@@ -485,3 +485,55 @@ def render_verify(console: Console, directory, doc: dict) -> None:
             f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}"
         )
     )
+
+
+# -- adapter outputs (repair/merge --format peft) ---------------------------------------------------
+
+
+def is_adapter_doc(doc: dict) -> bool:
+    """A repair or merge document of an adapter output (rendered by :func:`render_adapter`)."""
+    return (doc.get("output") or {}).get("format") == "peft"
+
+
+def render_adapter(console: Console, doc: dict) -> None:
+    """The summary of an adapter output."""
+    a = doc.get("adapter", {})
+    out = doc["output"]
+    if out.get("dry_run"):
+        s = doc["summary"]
+        route = doc["parameters"].get("adapter_route")
+        console.print(
+            Text(
+                f"dry run: {out['path']} would get a PEFT LoRA adapter ({route} route) from {s['tensors']} "
+                f"tensors; the full checkpoint would be {out['full_checkpoint_bytes'] / 1e6:.1f} MB"
+            )
+        )
+        for note in doc.get("notes", []):
+            console.print(Text(f"note: {note}"))
+        return
+    t = Table(show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("output", Text(f"{out['path']} (PEFT LoRA adapter, {a.get('route')} route)"))
+    t.add_row(
+        "modules",
+        f"{a.get('lora_modules', 0)} low-rank (rank median {a.get('rank_median')}, max {a.get('rank_max')}), "
+        f"{a.get('full_tensors', 0)} full tensors",
+    )
+    if a.get("modules_to_save"):
+        t.add_row("modules_to_save", Text(", ".join(a["modules_to_save"])))
+    size, full = a.get("bytes") or 0, a.get("full_checkpoint_bytes") or 0
+    ratio = f" ({100 * size / full:.2f} % of the {full / 1e6:.1f} MB full checkpoint)" if full else ""
+    t.add_row("size", f"{size / 1e6:.2f} MB{ratio}")
+    t.add_row(
+        "energy lost",
+        f"{a.get('energy_lost_max', 0.0):.3g} (largest share of a module's update cut by the rank limit: "
+        f"{a.get('rank_cap') or 'none'})",
+    )
+    t.add_row("time", f"{doc['timings'].get('total', 0.0):.1f} s")
+    console.print(t)
+    verdict = (doc.get("summary") or {}).get("verdict")
+    if verdict:
+        console.print(Text(f"verdict: {verdict}"))
+    for w in (doc.get("summary") or {}).get("warnings", []):
+        console.print(Text(f"warning: {w}"))

@@ -13,18 +13,22 @@ from dghard_cli.cli.common import (
     BaseRevisionOpt,
     DeviceOpt,
     ExcludeOpt,
+    FormatOpt,
     FtArg,
     IncludeOpt,
     JsonOpt,
+    MergeOpt,
     OverwriteOpt,
     QuietOpt,
+    RankOpt,
     RevisionOpt,
     VerboseOpt,
     app,
     emit,
+    lora_options,
     run_cli,
 )
-from dghard_cli.cli.render import render_plan, render_report
+from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_plan, render_report
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.safetensors_format import parse_dtype_option
@@ -53,6 +57,9 @@ REPAIR_EPILOG = """
     dghard repair BASE FT OUT --lines 0.2,0.6                   # W_base + λ(ℓ)·Δ (LiNeS)
 
     dghard repair BASE FT OUT --lines 0.2,0.6 --shrink hard     # W_base + λ(ℓ)·Δ* (DG-Hard, then λ)
+    dghard repair BASE FT OUT --format peft        # the repair as a PEFT LoRA adapter (rank = kept rank)
+
+    dghard repair BASE ADAPTER OUT --merge         # FT a LoRA adapter: repair the merged checkpoint
 """
 
 
@@ -134,6 +141,9 @@ def repair_cmd(
             help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto."
         ),
     ] = "auto",
+    output_format: FormatOpt = "auto",
+    merge: MergeOpt = False,
+    rank: RankOpt = None,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -176,9 +186,12 @@ def repair_cmd(
             base_revision=base_revision,
             ft_revision=revision,
             route=route,
+            lora=lora_options(output_format, merge, rank),
         )
         doc = repair(base, ft, out, opts)
-        if dry_run:
+        if is_adapter_doc(doc):
+            emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
+        elif dry_run:
             emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
         else:
             emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_report(c, doc))

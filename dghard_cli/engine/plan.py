@@ -155,7 +155,8 @@ def matrix_eligibility(opts: PolicyOptions) -> Eligibility:
 def _out_dtype(info: TensorInfo, opts: PolicyOptions) -> str:
     if opts.out_dtype and info.dtype in FLOAT_DTYPES:
         return opts.out_dtype
-    return info.dtype
+    # a computed tensor (an adapter's W_base + ΔW, float32) defaults to the dtype BASE stores
+    return getattr(info, "output_dtype", None) or info.dtype
 
 
 def build_plan(

@@ -204,7 +204,9 @@ def write_model(
             INDEX_NAME,
             {"metadata": {"total_size": plan.out_bytes}, "weight_map": dict(sorted(weight_map.items()))},
         )
-    copied = stage.copy_side_files(fts[0].path, set(fts[0].shards))
+    # an adapter FT (io.adapter_source) takes BASE's config and tokenizer, then its own tokenizer
+    sources = getattr(fts[0], "side_file_sources", lambda: [(fts[0].path, set(fts[0].shards))])()
+    copied = sorted({n for d, skip in sources for n in stage.copy_side_files(d, skip)})
     expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
     verify_dir(stage.dir, expected=expected)
     timings["verify"] = time.perf_counter() - t1

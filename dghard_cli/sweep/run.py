@@ -41,6 +41,7 @@ from pathlib import Path
 
 from dghard_cli import __version__
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
+from dghard_cli.io.adapter_source import is_adapter, open_ft
 from dghard_cli.io.atomic import swap_dir_into_place
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
@@ -49,7 +50,7 @@ from dghard_cli.score.metrics import score_candidates
 from dghard_cli.score.results import MetricRule, ResultFile, Score
 from dghard_cli.sweep.cache import Cache, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidate_file import check_entry, load_candidates, parse_candidates
-from dghard_cli.sweep.candidates import Candidate, FamilyEntry
+from dghard_cli.sweep.candidates import Candidate, FamilyEntry, degenerate_on_adapters
 from dghard_cli.sweep.choose import choose_winner, objective, target_ok
 from dghard_cli.sweep.evaluate import check_template
 from dghard_cli.sweep.lines import bind_entries as bind_lines
@@ -167,7 +168,10 @@ class _Sweep(EvaluationSteps, SweepReport):
         self.base_ck = open_checkpoint(self.base_spec, label="BASE")
         self.ft_cks: list[Checkpoint] = []
         for i, spec in enumerate(self.ft_specs):
-            self.ft_cks.append(open_checkpoint(spec, label="FT" if i == 0 else f"--merge-ft {spec}"))
+            label = "FT" if i == 0 else f"--merge-ft {spec}"
+            self.ft_cks.append(open_ft(spec, base=self.base_ck, label=label))
+        # LoRA adapters are evaluated, and candidates written, as full merged checkpoints
+        self.adapters = any(is_adapter(f) for f in self.ft_cks)
         check_out_path(
             self.out, [self.base_ck.path, *[f.path for f in self.ft_cks]], overwrite=self.opts.overwrite
         )
@@ -177,7 +181,15 @@ class _Sweep(EvaluationSteps, SweepReport):
         self.active: list[FamilyEntry] = []
         self.skipped: list[dict] = []
         for e in self.entries:
-            if e.applies(n):
+            if self.adapters and degenerate_on_adapters(e):
+                self.skipped.append(
+                    {
+                        **e.describe(),
+                        "skipped": "a LoRA adapter's update has only r non-zero singular values, so the "
+                        "unknown-noise cut is undefined on it (SPEC §4)",
+                    }
+                )
+            elif e.applies(n):
                 check_entry(e, n, f"{self.candidates_source}: families[{e.index}] ({e.family})")
                 self.active.append(e)
             else:

@@ -12,8 +12,12 @@ import time
 from pathlib import Path
 
 from dghard_cli import __version__
+from dghard_cli.engine.adapter_run import LoraOutputOptions
+from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
+from dghard_cli.io.adapter_source import is_adapter
 from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.score.results import ResultFile, read_results
 from dghard_cli.sweep.cache import digest, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidates import (
@@ -51,7 +55,10 @@ class EvaluationSteps:
         cached = rec is not None
         if rec is None:
             self.emit(kind="evaluating", name=what)
-            rec, results = self.run_eval(ck.path.resolve(), what, fixed)
+            model = self.merged_adapter(ck) if is_adapter(ck) else ck.path.resolve()
+            rec, results = self.run_eval(model, what, fixed)
+            if is_adapter(ck):
+                shutil.rmtree(model, ignore_errors=True)
             rec = self.cache.put(key, rec, results)
             self.run_count += 1
         else:
@@ -83,6 +90,18 @@ class EvaluationSteps:
             benchmarks=len(rf.scores),
         )
         return rf
+
+    def merged_adapter(self, ck: Checkpoint) -> Path:
+        """A LoRA fine-tune as the full checkpoint the evaluation can load (BASE + ΔW)."""
+        target = self.stage / "adapter-merged"
+        shutil.rmtree(target, ignore_errors=True)
+        opts = MergeOptions(
+            method="task-arithmetic",
+            lora=LoraOutputOptions(merge=True),
+            run=RunOptions(device=self.opts.device, quiet=True),
+        )
+        merge(self.base_spec, [ck.source], target, opts)
+        return target.resolve()
 
     def run_eval(self, model: Path, label: str, fixed: dict | None) -> tuple[dict, Path | None]:
         """Run the evaluation command on ``model``; the cache record and the results file."""
@@ -133,7 +152,9 @@ class EvaluationSteps:
         )
 
     def reproduce(self, cand: Candidate) -> list[str]:
-        return reproduce_argv(cand, self.base_spec, self.ft_specs, self.out_arg, self.opts.device)
+        return reproduce_argv(
+            cand, self.base_spec, self.ft_specs, self.out_arg, self.opts.device, merge_adapters=self.adapters
+        )
 
     def write(self, cand: Candidate, key: str, target: Path) -> dict:
         shutil.rmtree(target, ignore_errors=True)
@@ -147,6 +168,7 @@ class EvaluationSteps:
             device=self.opts.device,
             argv=self.reproduce(cand),
             report_out=self.out_arg,
+            merge_adapters=self.adapters,
         )
         secs = time.perf_counter() - t0
         self.t["write"] += secs
