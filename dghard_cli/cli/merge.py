@@ -247,6 +247,7 @@ def merge_cmd(**kw) -> None:
                 overwrite=kw["overwrite"],
                 report_path=Path(rp) if rp is not None else None,
                 quiet=quiet or json_out,
+                notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
             ),
             base_revision=rev_base,

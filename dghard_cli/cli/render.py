@@ -41,6 +41,12 @@ def summary_table(report: dict):
         t.add_row("peak RSS", f"{mem['rss_bytes'] / 2**20:.0f} MiB")
     if report.get("output"):
         t.add_row("output", str(report["output"].get("path")))
+        if report["output"].get("resumed"):
+            t.add_row(
+                "resumed",
+                f"{report['output']['resumed_tensors']} of {s['tensors']} tensors were already written "
+                "by an interrupted run",
+            )
     if s.get("verdict"):
         t.add_row("verdict", s["verdict"])
     for w in s.get("warnings", []):

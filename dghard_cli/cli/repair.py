@@ -136,6 +136,7 @@ def repair_cmd(
                 overwrite=overwrite,
                 report_path=report,
                 quiet=quiet or json_out,
+                notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
                 allow_nonfinite=allow_nonfinite,
             ),

@@ -21,7 +21,7 @@ from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp
 from dghard_cli.engine.pipeline import EngineOptions, execute
 from dghard_cli.engine.plan import Plan
-from dghard_cli.engine.progress import Progress
+from dghard_cli.engine.progress import Progress, notice
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint, path_exists
@@ -48,6 +48,12 @@ class RunOptions:
     #: The output path the report names, when OUT is a staging place the caller moves into
     #: place itself (a sweep's candidates); None: OUT.
     report_out: str | None = None
+    #: Print warnings about the inputs and the resume line on stderr; None: unless ``quiet``.
+    notices: bool | None = None
+
+    @property
+    def show_notices(self) -> bool:
+        return (not self.quiet) if self.notices is None else self.notices
 
 
 def fingerprint(command: str, method: str, parameters: dict, plan: Plan, inputs: list[Checkpoint]) -> str:
@@ -159,10 +165,16 @@ def write_model(
     check_free_space(out, plan.out_bytes)
     fp = fingerprint(command, method, parameters, plan, [base, *fts])
     stage = OutputStage(out, fp, resume=run.resume)
+    resumed_tensors = sum(len(plan.shards[s]) for s in stage.done)
+    if stage.done and run.show_notices:
+        notice(
+            f"resuming: {resumed_tensors} of {len(plan.jobs)} tensors already written "
+            f"({len(stage.done)} of {len(plan.shards)} shards, verified), continuing"
+        )
     progress = Progress(plan.out_bytes, len(plan.jobs), label=f"{command} {method}", quiet=run.quiet)
     if stage.done:
         done_bytes = sum(j.out_nbytes for j in plan.jobs if j.shard in stage.done)
-        progress.advance(done_bytes, sum(len(plan.shards[s]) for s in stage.done))
+        progress.advance(done_bytes, resumed_tensors)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -225,6 +237,8 @@ def write_model(
         "bytes": plan.out_bytes,
         "index": plan.write_index,
         "copied_files": copied,
+        "resumed": bool(stage.resumed),
+        "resumed_tensors": resumed_tensors,
         "resumed_shards": stage.resumed,
         "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
     }
