@@ -6,7 +6,9 @@ tensor); 3 runtime failure (out of memory, disk full, interrupted: the output is
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import signal
 import sys
 import traceback
@@ -107,13 +109,55 @@ def check_failed(reason: str) -> None:
     run_cli(fail, verbose=False)
 
 
+class _TrimmedLines(io.TextIOBase):
+    """Writes whole lines to ``out`` without their trailing blanks.
+
+    rich pads every row of a table to the table's width, so in a log each short row ends in a
+    run of spaces (up to the console's width); a log reader wants the text only.
+    """
+
+    def __init__(self, out) -> None:
+        super().__init__()
+        self._out = out
+        self._partial = ""
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._out, "encoding", None) or "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._out.write(line.rstrip(" ") + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def finish(self) -> None:
+        if self._partial:
+            self._out.write(self._partial.rstrip(" "))
+            self._partial = ""
+        self._out.flush()
+
+
 def emit(doc: dict, *, as_json: bool, quiet: bool, render: Callable[[Console], None]) -> None:
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         sys.stdout.flush()
     elif not quiet:
-        # logs are not terminals: use a wide line instead of rich's default of 80 columns
-        render(Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+        if sys.stdout.isatty():
+            render(Console(highlight=False))
+            return
+        # a log: lines as wide as their content (no padding), wrapped at $COLUMNS when it is
+        # set, else at 200 columns rather than rich's default of 80
+        columns = os.environ.get("COLUMNS", "").strip()
+        out = _TrimmedLines(sys.stdout)
+        render(Console(highlight=False, width=None if columns.isdigit() else 200, file=out))
+        out.finish()
 
 
 def _version(value: bool) -> None:
