@@ -44,3 +44,91 @@ def test_columns_sets_the_wrap_width_of_a_log(tmp_path):
     r = run_dghard("inspect", TINY / "base", TINY / "ft", env={"COLUMNS": "60"})
     assert r.returncode == 0, r.stderr
     assert max(map(len, r.stdout.splitlines())) <= 60 and not _padded(r.stdout)
+
+
+# -- help ------------------------------------------------------------------------------------------
+
+#: Options with a fixed set of values, per command, and the list their help must show.
+CHOICES = {
+    "repair": {
+        "--noise": "median|known",
+        "--shrink": "hard|soft|optimal|twoknob",
+        "--dtype": "bf16|fp16|fp32|fp64",
+        "--route": "auto|gram64|qr32",
+        "--device": "auto|cpu|cuda|cuda:N",
+    },
+    "merge": {
+        "--recall-kernel": "linear-cka|rbf-cka|cosine",
+        "--recall-pooling": "token|mean",
+        "--recall-select": "kmeans|first",
+        "--dtype": "bf16|fp16|fp32|fp64",
+        "--device": "auto|cpu|cuda|cuda:N",
+    },
+    "inspect": {"--device": "auto|cpu|cuda|cuda:N"},
+    "audit-lora": {"--fail-on": "error|warn|info", "--device": "auto|cpu|cuda|cuda:N"},
+    "score": {"--units": "auto|fraction|points"},
+    "sweep": {"--device": "auto|cpu|cuda|cuda:N"},
+}
+
+
+def _help(*args: str) -> str:
+    from typer.testing import CliRunner
+
+    from dghard_cli.cli import app
+
+    r = CliRunner().invoke(app, [*args, "--help"], env={"COLUMNS": "250", "TERMINAL_WIDTH": "250"})
+    assert r.exit_code == 0, r.output
+    return r.output
+
+
+def _row(text: str, flag: str) -> str:
+    return next(line for line in text.splitlines() if line.lstrip("│ *").startswith(flag + " "))
+
+
+def test_help_of_every_command_lists_choices_and_shows_no_bool_type():
+    import typer
+
+    from dghard_cli.cli import app
+    from dghard_cli.methods import registry
+
+    commands = sorted(typer.main.get_command(app).commands)
+    assert set(CHOICES) <= set(commands) and len(commands) >= 8
+    for args in [(), *((c,) for c in commands)]:
+        text = _help(*args)
+        assert "<bool>" not in text, (args, [ln for ln in text.splitlines() if "<bool>" in ln])
+        for flag, listed in CHOICES.get(args[0] if args else "", {}).items():
+            row = _row(text, flag)
+            assert listed in row and "<str>" not in row, (args, flag, row)
+    # flags keep their help, with an empty type column
+    assert "Plan and print what would be done" in _row(_help("repair"), "--dry-run")
+    # --method: its (long) list is in the help text, every registered method named
+    method = _help("merge")
+    for name in registry.method_names():
+        assert name in method
+
+
+def test_bad_choice_values_are_one_line_errors_exit_2(tmp_path):
+    from conftest import run_dghard
+
+    cases = [
+        ("repair", TINY / "base", TINY / "ft", tmp_path / "o", "--noise", "loud"),
+        ("repair", TINY / "base", TINY / "ft", tmp_path / "o", "--device", "tpu"),
+        (
+            "merge",
+            "--method",
+            "ties",
+            TINY / "base",
+            TINY / "ft",
+            "--out",
+            tmp_path / "m",
+            "--recall-kernel",
+            "x",
+        ),
+    ]
+    for args in cases:
+        r = run_dghard(*args)
+        lines = r.stderr.strip().splitlines()
+        assert r.returncode == 2 and len(lines) == 1 and lines[0].startswith("dghard: error:"), (
+            args,
+            r.stderr,
+        )

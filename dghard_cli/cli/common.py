@@ -12,12 +12,14 @@ import os
 import signal
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
 
 from dghard_cli import __version__
 from dghard_cli.cli.progress import RichBar
@@ -27,7 +29,44 @@ from dghard_cli.errors import CheckFailed, DGHardError
 
 set_terminal_bar(RichBar)  # the engine counts; on a terminal the command line shows a rich bar
 
-app = typer.Typer(
+
+# typer 0.29's rich help prints every option's value type, and `<bool>` for a flag, which takes
+# no value. typer shows an option's ``metavar`` in that column when one is set, so a flag gets
+# an empty one (click ignores a flag's metavar everywhere else), and options with a fixed set of
+# values get ``metavar=choices(...)``: the values stay plain strings, checked by the library
+# with its one-line errors (a ``Literal`` annotation would list them too, but its bad values
+# would be typer's multi-line error box).
+def choices(values: Iterable[str]) -> str:
+    """The help's type column for an option taking one of ``values``: ``a|b|c``."""
+    return "|".join(values)
+
+
+def _blank_flag_types(params: list) -> list:
+    for p in params:
+        if getattr(p, "is_flag", False) and not getattr(p, "count", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx: click.Context) -> list:
+        return _blank_flag_types(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: click.Context) -> list:
+        return _blank_flag_types(super().get_params(ctx))
+
+
+class _App(typer.Typer):
+    """Every command of ``app`` is a :class:`_Command` (flags show no type in the help)."""
+
+    def command(self, *args: Any, cls: type[TyperCommand] | None = None, **kwargs: Any):  # type: ignore[override]
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _App(
+    cls=_Group,
     name="dghard",
     help=(
         "Repair catastrophic forgetting in fine-tuned checkpoints after the fact: spectral "
@@ -39,9 +78,17 @@ app = typer.Typer(
 )
 
 # -- shared options -------------------------------------------------------------------------
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 DeviceOpt = Annotated[
-    str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present).")
+    str,
+    typer.Option(
+        "--device",
+        metavar=choices(DEVICES),
+        help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present).",
+    ),
 ]
+#: The output dtypes ``--dtype`` takes (more spellings are accepted, see safetensors_format).
+DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp64")
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no summary.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail; tracebacks on errors.")]
 BaseArg = Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")]

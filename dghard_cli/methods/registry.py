@@ -47,6 +47,7 @@ from functools import lru_cache
 from typing import Any
 
 from dghard_cli.errors import InputError
+from dghard_cli.methods import recall as R
 
 #: Kinds of parameter values (also the type named in a recipe's error messages).
 NUMBER, INT, WEIGHTS, PATH, MAPPING = "number", "integer", "weights", "path", "mapping"
@@ -59,6 +60,7 @@ class SubOption:
     name: str
     kind: str  # "number" | "integer" | "string"
     help: str
+    choices: tuple[str, ...] = ()  # the values a "string" key takes (the help lists them)
 
 
 @dataclass(frozen=True)
@@ -307,15 +309,18 @@ BUILTIN_PARAMS: tuple[Param, ...] = (
         describe=_describe_recall,
         build=_build_recall,
         sub=(
-            SubOption("kernel", "string", "recall: linear-cka (default), rbf-cka or cosine."),
+            SubOption("kernel", "string", "recall: linear-cka (default), rbf-cka or cosine.", R.KERNELS),
             SubOption(
                 "pooling",
                 "string",
                 "recall: token (every token a row; default) or mean (one row per sample).",
+                R.POOLINGS,
             ),
             SubOption("temperature", NUMBER, "recall: softmax temperature (default 0.05)."),
             SubOption("samples", INT, "recall: number of typical samples (default 8)."),
-            SubOption("select", "string", "recall: kmeans (typical samples; default) or first."),
+            SubOption(
+                "select", "string", "recall: kmeans (typical samples; default) or first.", R.SELECTIONS
+            ),
             SubOption("max_tokens", INT, "recall: tokens per sample (default 64)."),
         ),
     ),
