@@ -25,9 +25,10 @@ from dghard_cli.engine.progress import Progress, notice
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint, path_exists
-from dghard_cli.io.output import INDEX_NAME, OutputStage, check_free_space, check_out_path
+from dghard_cli.io.output import INDEX_NAME, OutputStage, check_free_space, check_out_path, read_side_text
 from dghard_cli.io.verify import verify_dir
 from dghard_cli.report import build as report_mod
+from dghard_cli.report import model_card
 
 REPORT_NAME = "dghard_report.json"
 
@@ -226,6 +227,7 @@ def write_model(
             {"metadata": {"total_size": plan.out_bytes}, "weight_map": dict(sorted(weight_map.items()))},
         )
     copied = stage.copy_side_files(fts[0].path, set(fts[0].shards))
+    their_card, card_why = read_side_text(fts[0].path, "README.md")
     expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
     verify_dir(stage.dir, expected=expected)
     timings["verify"] = time.perf_counter() - t1
@@ -251,11 +253,14 @@ def write_model(
         extra=extra,
         **common,
     )
+    card, doc["output"]["model_card"] = model_card.compose(
+        report_mod.model_card(doc), their_card, base.source, card_why
+    )
     if rel_report is not None:
         target = stage.dir / rel_report
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-    stage.write_text("README.md", report_mod.model_card(doc))
+    stage.write_text("README.md", card)
     try:
         stage.finalize(overwrite=run.overwrite)
     except OSError as exc:
