@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from dghard_cli.engine import input_checks
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp
 from dghard_cli.engine.pipeline import EngineOptions, execute
@@ -141,6 +142,10 @@ def write_model(
     if abs_report is not None and not path_exists(abs_report.parent):
         raise InputError(f"--report {run.report_path}: directory {abs_report.parent} does not exist")
 
+    input_warnings, swap_ruled_out = input_checks.before_run(base, fts, plan)
+    if run.show_notices:
+        for w in input_warnings:
+            notice(w, warning=True)
     common = dict(
         command=command,
         argv=run.argv,
@@ -161,6 +166,7 @@ def write_model(
             **common,
         )
         doc["summary"]["dry_run"] = True
+        doc["summary"]["warnings"][:0] = input_warnings
         return doc
 
     check_free_space(out, plan.out_bytes)
@@ -244,6 +250,12 @@ def write_model(
         "resumed_shards": stage.resumed,
         "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
     }
+    if not swap_ruled_out:
+        swapped = input_checks.weights_swap(records, len(fts))
+        if run.show_notices:
+            for w in swapped:
+                notice(w, warning=True)
+        input_warnings += swapped
     extra = extra_report(records) if extra_report else None
     doc = report_mod.build_report(
         output=output,
@@ -253,6 +265,7 @@ def write_model(
         extra=extra,
         **common,
     )
+    doc["summary"]["warnings"][:0] = input_warnings
     card, doc["output"]["model_card"] = model_card.compose(
         report_mod.model_card(doc), their_card, base.source, card_why
     )

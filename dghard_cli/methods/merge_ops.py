@@ -284,6 +284,7 @@ class ElementwiseMergeOp:
                 kernel.prepare(i, b, self._read(job, src, f"ft{i}", None, wd))
             del b
         sumsq = [0.0] * n
+        dots = [0.0] * n  # ⟨Δ_i, W_base⟩
         merged_sq = 0.0
         for rows in blocks:
             b = self._read(job, src, "base", rows, wd)
@@ -295,6 +296,7 @@ class ElementwiseMergeOp:
                 if not math.isfinite(sq):
                     raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
                 sumsq[i] += sq
+                dots[i] += float(torch.dot(d.reshape(-1), b.reshape(-1))) if d.numel() else 0.0
                 if whole:
                     assert isinstance(kernel, TiesKernel)
                     kernel.trim_whole(i, d, self._exact(job, src, i))
@@ -316,6 +318,8 @@ class ElementwiseMergeOp:
             yield cast_out(src.ft(0, (job.shared_rows, job.shape[0])), job.out_dtype)
         rec["delta_norms"] = [math.sqrt(s) for s in sumsq]
         rec["delta_norm"] = rec["delta_norms"][0]
+        rec["delta_dot_bases"] = dots
+        rec["delta_dot_base"] = dots[0]
         rec["merged_delta_norm"] = math.sqrt(merged_sq)
         rec.update(kernel.stats())
 
@@ -351,9 +355,11 @@ class SpectralMergeOp:
         projectors: list[Projector | None] = []
         per_ft: list[dict] = []
         norms: list[float] = []
+        dots: list[float] = []
         for i, info in enumerate(job.fts):
             ds = delta_spectrum(job, src, dev, self.block_bytes, ft=i)
             norms.append(math.sqrt(max(ds.fro2, 0.0)))
+            dots.append(ds.dot_base)
             dec = decide(ds.spectrum, self.spec, ft_dtype=info.dtype, rms_ft=ds.rms_ft)
             shape = ds.shape
             if dec.kind == UNCHANGED:
@@ -376,6 +382,8 @@ class SpectralMergeOp:
             per_ft.append(entry)
         rec["delta_norms"] = norms
         rec["delta_norm"] = norms[0]
+        rec["delta_dot_bases"] = dots
+        rec["delta_dot_base"] = dots[0]
         rec["ranks"] = [e["rank_kept"] for e in per_ft]
         rec["spectral"] = per_ft
         rec["route"] = ROUTE
