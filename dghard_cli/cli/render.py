@@ -111,7 +111,9 @@ def _fmt_score(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
 def render_score(console, doc: dict) -> None:
     """Tables for the terminal: benchmarks and partitions, one per candidate, the ranking."""
 
-    t = Table(title="benchmarks (points)", box=None, header_style="bold")
+    own = any(g["unit"] == "unbounded" for g in doc.get("units_assumed", []))
+    title = "benchmarks (points; unbounded scores in their own units)" if own else "benchmarks (points)"
+    t = Table(title=title, box=None, header_style="bold")
     for col in ("benchmark", "base", "ft", "ft − base", "margin", "partition"):
         t.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
     for bm in doc["benchmarks"]:
@@ -126,20 +128,27 @@ def render_score(console, doc: dict) -> None:
             bm["partition"],
         )
     console.print(t)
+    for g in doc.get("units_assumed", []):
+        other = "".join(
+            f"; in {where}: " + ", ".join(f"{k} {u}" for k, u in units.items())
+            for where, units in g.get("other_files", {}).items()
+        )
+        console.print(Text(f"units: {g['unit']}: {', '.join(g['benchmarks'])} ({g['assumed']}{other})"))
     label = {"damaged": "repair", "improved": "retention", "unchanged": "change", "target": "target"}
     for cd in doc["candidates"]:
         ct = Table(title=f"candidate {cd['name']}", box=None, header_style="bold")
         for col in ("benchmark", "partition", "score", "vs ft", "vs base", "per-benchmark"):
             ct.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
+        own_units = {bm["name"] for bm in doc["benchmarks"] if bm.get("unit") == "unbounded"}
         for r in cd["benchmarks"]:
-            unit = " pt" if r["partition"] == "unchanged" else " %"
+            unit = (" pt" if r["name"] not in own_units else "") if r["partition"] == "unchanged" else " %"
             ct.add_row(
                 Text(r["name"]),
                 r["partition"],
                 f"{r['value']:.2f}",
                 f"{r['vs_ft']:+.2f}",
                 f"{r['vs_base']:+.2f}",
-                f"{label[r['partition']]} {_fmt_score(r['score'], '+.1f' if unit == ' pt' else '.1f', unit)}",
+                f"{label[r['partition']]} {_fmt_score(r['score'], {' %': '.1f', ' pt': '+.1f'}.get(unit, '+.3g'), unit)}",
             )
         console.print(ct)
         console.print(

@@ -52,6 +52,7 @@ from typing import NamedTuple, Union
 from dghard_cli import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists, read_json_file
+from dghard_cli.score import scales
 
 SCHEMA_VERSION = 1
 DEFAULT_MIN_MARGIN = 0.5
@@ -87,9 +88,14 @@ class ResultFile:
     scores: dict[str, Score]
     metrics: dict[str, str] = field(default_factory=dict)  # task -> key used (lm-eval)
     warnings: list[str] = field(default_factory=list)
+    #: --units auto: each benchmark's unit (score.scales); empty when --units forced one
+    units: dict[str, str] = field(default_factory=dict)
+    raw: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # as the file has them
 
     def describe(self) -> dict:
         d: dict = {"path": self.source, "format": self.format, "scale": self.scale}
+        if self.scale == "mixed":
+            d["units"] = dict(self.units)
         if self.metrics:
             d["metrics"] = dict(self.metrics)
         return d
@@ -281,18 +287,22 @@ def _tasks_to_score(doc: Mapping, subtasks: bool) -> list[str]:
     return out
 
 
-def _apply_scale(raw: dict[str, tuple[float, float | None]], scale: str, source: str) -> tuple[str, dict]:
+def _apply_scale(
+    raw: dict[str, tuple[float, float | None]], scale: str, source: str
+) -> tuple[str, dict, dict[str, str]]:
+    """(the file's unit, its scores in points, each benchmark's unit under auto)."""
     if scale not in SCALES:
         raise InputError(f"--units {scale!r} is not one of {', '.join(SCALES)}")
-    values = [v for v, _ in raw.values()] + [s for _, s in raw.values() if s is not None]
     if scale == "auto":
-        scale = "fraction" if all(0.0 <= v <= 1.0 for v in values) else "points"
+        units = scales.auto_units(raw)
+        pts = scales.to_points(raw, units)
+        return scales.file_unit(units), {t: Score(v, s) for t, (v, s) in pts.items()}, units
     if scale == "fraction":
         bad = [(t, v) for t, (v, _) in raw.items() if not 0.0 <= v <= 1.0]
         if bad:
             raise InputError(f"{source}: --units fraction but {bad[0][0]!r} is {bad[0][1]:g}, not in [0, 1]")
-        return scale, {t: Score(100.0 * v, None if s is None else 100.0 * s) for t, (v, s) in raw.items()}
-    return scale, {t: Score(v, s) for t, (v, s) in raw.items()}
+        return scale, {t: Score(100.0 * v, None if s is None else 100.0 * s) for t, (v, s) in raw.items()}, {}
+    return scale, {t: Score(v, s) for t, (v, s) in raw.items()}, {}
 
 
 def read_results(
@@ -352,8 +362,8 @@ def _read_plain(doc: dict, source: str, scale: str) -> ResultFile:
         raw[str(name)] = (v, se)
     if not raw:
         raise InputError(f"{source}: no benchmark scores in this file")
-    used, scores = _apply_scale(raw, scale, source)
-    return ResultFile(source=source, format="plain", scale=used, scores=scores)
+    used, scores, units = _apply_scale(raw, scale, source)
+    return ResultFile(source=source, format="plain", scale=used, scores=scores, units=units, raw=raw)
 
 
 def _read_lm_eval(
@@ -408,9 +418,16 @@ def _read_lm_eval(
             _matches(k, rule.default) for t, k in metrics.items() if t not in rule.per_task
         ):
             raise InputError(f"{source}: --metric {rule.default!r} matches no task in this file")
-    used, scores = _apply_scale(raw, scale, source)
+    used, scores, units = _apply_scale(raw, scale, source)
     return ResultFile(
-        source=source, format="lm-eval", scale=used, scores=scores, metrics=metrics, warnings=warnings
+        source=source,
+        format="lm-eval",
+        scale=used,
+        scores=scores,
+        metrics=metrics,
+        warnings=warnings,
+        units=units,
+        raw=raw,
     )
 
 
@@ -494,6 +511,8 @@ def score_candidates(
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise InputError(f"candidate name {dup!r} given twice; name them with --candidate NAME=PATH")
+    base, ft, *others = scales.reconcile([base, ft, *(r for _, r in cand_list)])
+    cand_list = [(n, r) for (n, _), r in zip(cand_list, others, strict=True)]
     b = _scores(base, "base")
     f = _scores(ft, "ft")
     base_label, ft_label = _label(base, "base"), _label(ft, "ft")
@@ -520,12 +539,14 @@ def score_candidates(
     for k, sb in b.items():
         sf = f[k]
         se = combined_stderr(sb.stderr, sf.stderr)
+        unit = scales.unit_of(base, k)
+        floor = scales.margin_floor(unit, sb.value, sf.value, min_margin)
         if margin is not None:
             m, rule = margin, "fixed"
         elif se is not None:
-            m, rule = max(min_margin, stderr_factor * se), "stderr"
+            m, rule = max(floor, stderr_factor * se), "stderr"
         else:
-            m, rule = min_margin, "floor"
+            m, rule = floor, "floor"
         change = sf.value - sb.value
         if k in target_list:
             part = "target"
@@ -552,12 +573,18 @@ def score_candidates(
                 "margin_rule": rule,
                 "ft_change": change,
                 "partition": part,
+                "unit": unit,
             }
         )
     counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
-    if counts["damaged"] == 0:
+    if counts["damaged"] == 0 and counts["improved"] == 0:
+        warnings.append(
+            "no damaged and no improved benchmarks (the fine-tune moved none by more than its margin): "
+            "% repair, % retention and HM are undefined"
+        )
+    elif counts["damaged"] == 0:
         warnings.append("no damaged benchmarks: % repair is undefined and HM is the % retention alone")
-    if counts["improved"] == 0:
+    elif counts["improved"] == 0:
         warnings.append("no improved benchmarks: % retention is undefined and HM is the % repair alone")
 
     cands = []
@@ -589,7 +616,8 @@ def score_candidates(
                 ret.append(val)
             elif part == "unchanged":
                 val = cv - bv
-                unch.append(val)
+                if bm["unit"] != scales.UNBOUNDED:  # the mean is in points
+                    unch.append(val)
             else:
                 val = (cv - bv) / (fv - bv) * 100.0 if fv != bv else None
                 tgt[k] = val
@@ -652,6 +680,9 @@ def score_candidates(
         "best": order[0],
         "warnings": warnings,
     }
+    others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
+    doc["units_assumed"] = scales.describe(base, others, min_margin)
+    warnings += scales.notes(base, others)
     if fail_under is not None:
         doc["gate"] = gate(doc, fail_under)
     return doc
@@ -731,13 +762,6 @@ def score_files(
     doc = score_candidates(b, f, cands, targets=targets, margin=margin, fail_under=fail_under)
     files = [b, f, *(rf for _, rf in cands)]
     warnings = [w for rf in files for w in rf.warnings]
-    scales = {rf.scale for rf in files}
-    if len(scales) > 1:
-        warnings.append(
-            "files were read on different scales ("
-            + ", ".join(f"{Path(rf.source).name}: {rf.scale}" for rf in files)
-            + "); pass --scale if a guess is wrong"
-        )
     doc["warnings"] = warnings + doc["warnings"]
     doc["inputs"] = {
         "base": b.describe(),
