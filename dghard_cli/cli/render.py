@@ -295,6 +295,8 @@ def render_sweep(console: Console, doc: dict) -> None:
         secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
         mark = " ★" if r["order"] == win else ""
         status = r["status"] + (" (cached)" if r["cached"] else "")
+        if r["status"] == "ok" and r.get("feasible") is False:
+            status += " (below target bar)"
         t.add_row(
             str(r["order"]),
             Text(r["name"] + mark),
@@ -331,6 +333,13 @@ def render_sweep(console: Console, doc: dict) -> None:
             )
         )
         console.print(Text(f"reproduce: {w['reproduce']['command']}"))
+        if w["reproduce"].get("out"):
+            console.print(
+                Text(
+                    f"  (writes a copy to {w['reproduce']['out']}: {doc['output']['path']} already holds "
+                    "this checkpoint)"
+                )
+            )
     else:
         console.print(Text(f"no winner: {doc['no_winner_reason']}"))
     console.print(
@@ -365,6 +374,14 @@ def progress_printer(console: Console):
             head = f"[dghard] sweep {ev['order']}/{ev['budget']} {r['name']} ({r['phase']})"
             if r["status"] == "ok":
                 tail = f"HM {_fmt_sweep(r['hm'])} (repair {_fmt_sweep(r['repair'])} %, retention {_fmt_sweep(r['retention'])} %)"
+                if r.get("feasible") is False:
+                    worst = min(
+                        (v for v in (r.get("target_retention") or {}).values() if v is not None), default=None
+                    )
+                    bar = ev.get("min_target_retention")
+                    tail += f"; cannot win: target retention {_fmt_sweep(worst)} % is below" + (
+                        f" --min-target-retention {bar:g} %" if bar is not None else " the bar"
+                    )
             else:
                 tail = f"{r['status']}: {r['message']}"
             secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))

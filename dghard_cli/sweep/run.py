@@ -95,6 +95,10 @@ class SweepOptions:
     on_event: Callable[[dict], None] | None = None  # progress (the CLI prints these)
 
 
+#: The printed reproduction command writes to OUT + this (OUT itself holds the winner).
+REPRODUCED_SUFFIX = "-reproduced"
+
+
 def staging_path(out: Path) -> Path:
     out = Path(out).expanduser().absolute()
     return out.parent / f".{out.name}{STAGING_SUFFIX}"
@@ -456,7 +460,10 @@ class _Sweep:
         )
 
     def reproduce(self, cand: Candidate) -> list[str]:
-        return reproduce_argv(cand, self.base_spec, self.ft_specs, self.out_arg, self.opts.device)
+        # OUT holds the winner when the sweep ends, so the command writes its copy beside it
+        return reproduce_argv(
+            cand, self.base_spec, self.ft_specs, reproduced_out(self.out_arg), self.opts.device
+        )
 
     def write(self, cand: Candidate, key: str, target: Path) -> dict:
         shutil.rmtree(target, ignore_errors=True)
@@ -536,7 +543,7 @@ class _Sweep:
             "seconds": rec.get("seconds", {}),
             "bytes": rec.get("bytes"),
             "distance": rec.get("distance", math.inf),
-            "reproduce": {"argv": argv, "command": shell_command(argv)},
+            "reproduce": {"argv": argv, "command": shell_command(argv), "out": reproduced_out(self.out_arg)},
             "key": key,
         }
         if rec["status"] == "ok":
@@ -556,7 +563,13 @@ class _Sweep:
         self.cands[key] = cand
         self.rescore()
         self.keep_or_drop(key, cached)
-        self.emit(kind="candidate", row=row, order=order, budget=self.cand_budget)
+        self.emit(
+            kind="candidate",
+            row=row,
+            order=order,
+            budget=self.cand_budget,
+            min_target_retention=self.opts.min_target_retention,
+        )
 
     def keep_or_drop(self, key: str, cached: bool) -> None:
         """Keep the candidate just written if it is the best so far, else delete it."""
@@ -658,10 +671,12 @@ class _Sweep:
             final.mkdir()
         doc = self.report(winner, reason, regenerated)
         doc["output"]["checkpoint_bytes"] = dir_bytes(final)
-        plot = None
-        if self.opts.plot:
-            plot = self.plot(final, winner)
+        plot, skipped = self.plot(final, winner) if self.opts.plot else (None, "not asked for (plot=False)")
         doc["plot"] = plot
+        if skipped is not None:
+            doc["plot_skipped"] = skipped
+            if self.opts.plot:
+                doc["warnings"].append(f"no frontier plot: {skipped}")
         _write_json(final / SWEEP_REPORT, doc)
         self.move_into_place(final)
         shutil.rmtree(self.stage, ignore_errors=True)
@@ -670,23 +685,21 @@ class _Sweep:
     def move_into_place(self, final: Path) -> None:
         swap_dir_into_place(final, self.out, overwrite=self.opts.overwrite, during="the sweep ran")
 
-    def plot(self, final: Path, winner: dict | None) -> str | None:
+    def plot(self, final: Path, winner: dict | None) -> tuple[str | None, str | None]:
+        """(the plot's file name in OUT, None) or (None, why there is none)."""
+        missing = "matplotlib is not installed (pip install 'dghard[plot]')"
         try:
             from dghard_cli.sweep.plot import frontier_png
         except ImportError:
-            return None
+            return None, missing
         try:
             png = frontier_png(self.rows, winner, self.ref_scores)
         except ImportError:
-            self.warnings.append("no frontier plot: matplotlib is not installed (pip install 'dghard[plot]')")
-            return None
+            return None, missing
         if png is None:
-            self.warnings.append(
-                "no frontier plot: % repair or % retention is undefined (no damaged or no improved benchmarks)"
-            )
-            return None
+            return None, "% repair or % retention is undefined (no damaged or no improved benchmarks)"
         (final / FRONTIER_PNG).write_bytes(png)
-        return FRONTIER_PNG
+        return FRONTIER_PNG, None
 
     def report(self, winner: dict | None, reason: str | None, regenerated: bool) -> dict:
         o = self.opts
@@ -833,6 +846,11 @@ class _Sweep:
                 raise
         finally:
             self.close()
+
+
+def reproduced_out(out: str) -> str:
+    """Where the printed reproduction command writes: beside OUT (which holds the winner)."""
+    return (out.rstrip("/") or out) + REPRODUCED_SUFFIX
 
 
 def sweep(base: str | Path, ft: str | Path, out: str | Path, options: SweepOptions) -> dict:
