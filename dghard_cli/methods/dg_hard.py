@@ -78,6 +78,22 @@ def delta_blocks(src: JobInputs, rows: int, cols: int, device: torch.device, blo
             yield (c0, c1), base[:, c0:c1], fine[:, c0:c1]
 
 
+def _dot64(x: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 20) -> torch.Tensor:
+    """⟨x, b⟩ in float64 for a float64 ``x`` and a ``b`` of any float dtype and the same 2-D
+    shape, in row chunks so the float64 copy of ``b`` stays small (a whole one would double a
+    block's memory)."""
+    step = max(1, chunk_elems // max(1, x.shape[1]))
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for r0 in range(0, x.shape[0], step):
+        xs = x[r0 : r0 + step]
+        total += (
+            torch.sum(xs * b[r0 : r0 + step].to(torch.float64))
+            if not xs.is_contiguous()
+            else torch.dot(xs.reshape(-1), b[r0 : r0 + step].to(torch.float64).reshape(-1))
+        )
+    return total
+
+
 def default_block_bytes(device: torch.device) -> int:
     """Float64 block size of the spectral passes: 32 MB on CPU (resident memory), 1 GB on GPU."""
     return (1 << 30) if device.type == "cuda" else (32 << 20)
@@ -123,7 +139,7 @@ def delta_spectrum(
         x = f.to(torch.float64)
         sumsq_ft += torch.linalg.vector_norm(x) ** 2
         x = x.sub_(b)  # exact: the difference of two float32-representable values
-        dot_t += torch.dot(x.reshape(-1), b.to(torch.float64).reshape(-1))
+        dot_t += _dot64(x, b)
         if not tall:
             x = x.T
         if gram:
