@@ -123,3 +123,16 @@ def test_merges_flag_a_fine_tune_that_looks_like_the_base(decayed, tmp_path):
     assert w.startswith("BASE and FT look swapped")
     (w,) = _swap_warnings(merge(ft, [base], tmp_path / "c", MergeOptions(method="dg-hard")))
     assert w.startswith("BASE and FT look swapped")
+
+
+def test_the_chunked_float64_dot_matches_numpy():
+    import torch
+
+    from dghard_cli.methods.dg_hard import _dot64
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(37, 53, generator=g, dtype=torch.float64)
+    b = torch.randn(37, 80, generator=g).to(torch.bfloat16)[:, 10:63]  # a column block: strided
+    ref = float(np.sum(x.numpy() * b.to(torch.float64).numpy()))
+    for chunk in (1, 7, 53, 1 << 20):
+        assert float(_dot64(x, b, chunk)) == pytest.approx(ref, rel=1e-12)
