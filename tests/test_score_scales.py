@@ -111,8 +111,8 @@ def test_undefined_hm_is_one_warning_not_two_contradicting_ones(tmp_path):
     doc = score_files(p["base"], p["ft"], [str(p["cand"])])
     hm_lines = [w for w in doc["warnings"] if "HM" in w]
     assert hm_lines == [
-        "no damaged and no improved benchmarks (the fine-tune moved none by more than its margin): "
-        "% repair, % retention and HM are undefined"
+        "no damaged and no improved benchmarks (outside the targets, the fine-tune moved none by "
+        "more than its margin): % repair, % retention and HM are undefined"
     ]
     assert doc["candidates"][0]["hm"] is None
 

@@ -78,7 +78,7 @@ def score_cmd(
         typer.Option(
             "--units",
             metavar=choices(SCALES),
-            help="auto (fractions if all scores are in [0, 1]), fraction or points.",
+            help="auto (per benchmark: a fraction in [0, 1], points, or unbounded like a −NLL), fraction or points.",
         ),
     ] = "auto",
     scale: Annotated[

@@ -3,9 +3,10 @@
 Inputs are lm-evaluation-harness result files (or the directories it writes them into) or a
 plain ``{"benchmark": score}`` JSON. Every score is put on one scale, **points** (0–100):
 
-- fractions: a file whose chosen scores (and standard errors) all lie in [0, 1] is read as
-  fractions and multiplied by 100; otherwise its numbers are already points. ``scale=`` forces
-  ``fraction`` or ``points`` for a file where the guess would be wrong.
+- units (:mod:`dghard_cli.score.scales`): under ``auto`` each benchmark of each file is a
+  fraction (in [0, 1]: ×100), points, or unbounded (below 0 or above 100, a −NLL: kept in its
+  own units, margin floor relative to its size), made consistent across files. ``scale=``
+  forces ``fraction`` or ``points`` for every benchmark of a file.
 
 Which metric represents an lm-evaluation-harness task (keys ``name,filter`` such as
 ``acc,none`` with ``name_stderr,filter`` siblings):
@@ -579,7 +580,8 @@ def score_candidates(
     counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
     if counts["damaged"] == 0 and counts["improved"] == 0:
         warnings.append(
-            "no damaged and no improved benchmarks (the fine-tune moved none by more than its margin): "
+            "no damaged and no improved benchmarks (outside the targets, the fine-tune moved none by "
+            "more than its margin): "
             "% repair, % retention and HM are undefined"
         )
     elif counts["damaged"] == 0:
