@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import (
+    DTYPE_CHOICES,
     BaseArg,
     BaseRevisionOpt,
     DeviceOpt,
@@ -21,6 +22,7 @@ from dghard_cli.cli.common import (
     RevisionOpt,
     VerboseOpt,
     app,
+    choices,
     emit,
     run_cli,
 )
@@ -29,7 +31,7 @@ from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.repair import RepairOptions, repair
-from dghard_cli.spectral.spectrum import ShrinkSpec
+from dghard_cli.spectral.spectrum import NOISE_RULES, ROUTES, SHRINKERS, ShrinkSpec
 
 REPAIR_EPILOG = """
 **Examples**
@@ -53,7 +55,11 @@ def repair_cmd(
     ],
     scale: Annotated[float, typer.Option(help="Multiplies the threshold τ (1.0 = Gavish–Donoho).")] = 1.0,
     noise: Annotated[
-        str, typer.Option(help="median (unknown noise, from the median singular value) or known (--sigma).")
+        str,
+        typer.Option(
+            metavar=choices(NOISE_RULES),
+            help="median (unknown noise, from the median singular value) or known (--sigma).",
+        ),
     ] = "median",
     sigma: Annotated[
         Optional[float], typer.Option(help="Known per-entry noise std (with --noise known).")
@@ -61,7 +67,8 @@ def repair_cmd(
     shrink: Annotated[
         str,
         typer.Option(
-            help="hard (the paper), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk)."
+            metavar=choices(SHRINKERS),
+            help="hard (the paper), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk).",
         ),
     ] = "hard",
     a: Annotated[float, typer.Option("--a", help="twoknob: weight of the spikes (σ > τ).")] = 1.0,
@@ -74,7 +81,9 @@ def repair_cmd(
     ] = None,
     dtype: Annotated[
         Optional[str],
-        typer.Option(help="Output dtype for floating tensors: bf16, fp16, fp32 (default: FT's)."),
+        typer.Option(
+            metavar=choices(DTYPE_CHOICES), help="Output dtype for floating tensors (default: FT's)."
+        ),
     ] = None,
     report: Annotated[
         Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
@@ -108,7 +117,8 @@ def repair_cmd(
     route: Annotated[
         str,
         typer.Option(
-            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto."
+            metavar=choices(ROUTES),
+            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto.",
         ),
     ] = "auto",
     device: DeviceOpt = "auto",
@@ -136,6 +146,7 @@ def repair_cmd(
                 overwrite=overwrite,
                 report_path=report,
                 quiet=quiet or json_out,
+                notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
                 allow_nonfinite=allow_nonfinite,
             ),

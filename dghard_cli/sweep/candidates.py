@@ -257,6 +257,15 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
     )
 
 
+#: The printed reproduction command writes to OUT + this (OUT itself holds the winner).
+REPRODUCED_SUFFIX = "-reproduced"
+
+
+def reproduced_out(out: str) -> str:
+    """Where the printed reproduction command writes: beside OUT (which holds the winner)."""
+    return (out.rstrip("/") or out) + REPRODUCED_SUFFIX
+
+
 def reproduce_argv(cand: Candidate, base: str, fts: list[str], out: str, device: str) -> list[str]:
     """The one ``dghard repair``/``dghard merge`` command line that writes this candidate."""
     p = cand.param_dict
