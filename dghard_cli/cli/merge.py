@@ -10,6 +10,8 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import (
+    DEVICES,
+    DTYPE_CHOICES,
     BaseRevisionOpt,
     FormatOpt,
     IncludeOpt,
@@ -20,6 +22,7 @@ from dghard_cli.cli.common import (
     RankOpt,
     VerboseOpt,
     app,
+    choices,
     emit,
     lora_options,
     run_cli,
@@ -85,7 +88,12 @@ def _head(
     method: Annotated[
         Optional[str],
         typer.Option(
-            "--method", "-m", help=f"One of: {', '.join(registry.method_names())}.", show_default=False
+            "--method",
+            "-m",
+            # the list is too long for the type column: a name there, the values in the help
+            metavar="<method>",
+            help=f"One of: {', '.join(registry.method_names())}.",
+            show_default=False,
         ),
     ] = None,
     config: Annotated[
@@ -112,7 +120,9 @@ def _tail(
     ] = None,
     dtype: Annotated[
         Optional[str],
-        typer.Option(help="Output dtype of floating tensors: bf16, fp16, fp32 (default: FT's)."),
+        typer.Option(
+            metavar=choices(DTYPE_CHOICES), help="Output dtype of floating tensors (default: FT's)."
+        ),
     ] = None,
     report: Annotated[
         Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
@@ -130,7 +140,11 @@ def _tail(
     base_revision: BaseRevisionOpt = None,
     device: Annotated[
         Optional[str],
-        typer.Option("--device", help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present)."),
+        typer.Option(
+            "--device",
+            metavar=choices(DEVICES),
+            help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present).",
+        ),
     ] = None,
     output_format: FormatOpt = "auto",
     merge_adapter: MergeOpt = False,
@@ -153,12 +167,15 @@ _PY_TYPES = {
 }
 
 
-def _option(name: str, kind: str, flag: str, help_text: str) -> inspect.Parameter:
+def _option(
+    name: str, kind: str, flag: str, help_text: str, values: tuple[str, ...] = ()
+) -> inspect.Parameter:
     tp = Optional[_PY_TYPES[kind]]  # noqa: UP045 - typer reads the annotation at run time
+    metavar = choices(values) if values else None
     if kind == registry.BOOL:  # a switch either way; not given: the method's default
         option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
     else:
-        option = typer.Option(flag, help=help_text)
+        option = typer.Option(flag, help=help_text, metavar=metavar)
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[tp, option]
     )
@@ -177,7 +194,10 @@ def _param_options() -> list[inspect.Parameter]:
     out = []
     for q in registry.params().values():
         if q.kind == registry.MAPPING:
-            out += [_option(_sub_name(q, sub), sub.kind, _sub_flag(q, sub), sub.help) for sub in q.sub]
+            out += [
+                _option(_sub_name(q, sub), sub.kind, _sub_flag(q, sub), sub.help, sub.choices)
+                for sub in q.sub
+            ]
         else:
             out.append(_option(f"param_{q.name}", q.kind, q.cli_flag, q.help))
     return out
@@ -305,6 +325,7 @@ def merge_cmd(**kw) -> None:
                 overwrite=kw["overwrite"],
                 report_path=Path(rp) if rp is not None else None,
                 quiet=quiet or json_out,
+                notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
             ),
             base_revision=rev_base,

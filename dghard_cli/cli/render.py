@@ -43,6 +43,12 @@ def summary_table(report: dict):
         t.add_row("peak RSS", f"{mem['rss_bytes'] / 2**20:.0f} MiB")
     if report.get("output"):
         t.add_row("output", str(report["output"].get("path")))
+        if report["output"].get("resumed"):
+            t.add_row(
+                "resumed",
+                f"{report['output']['resumed_tensors']} of {s['tensors']} tensors were already written "
+                "by an interrupted run",
+            )
     if s.get("verdict"):
         t.add_row("verdict", s["verdict"])
     for w in s.get("warnings", []):
@@ -107,7 +113,9 @@ def _fmt_score(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
 def render_score(console, doc: dict) -> None:
     """Tables for the terminal: benchmarks and partitions, one per candidate, the ranking."""
 
-    t = Table(title="benchmarks (points)", box=None, header_style="bold")
+    own = any(g["unit"] == "unbounded" for g in doc.get("units_assumed", []))
+    title = "benchmarks (points; unbounded scores in their own units)" if own else "benchmarks (points)"
+    t = Table(title=title, box=None, header_style="bold")
     for col in ("benchmark", "base", "ft", "ft − base", "margin", "partition"):
         t.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
     for bm in doc["benchmarks"]:
@@ -122,20 +130,27 @@ def render_score(console, doc: dict) -> None:
             bm["partition"],
         )
     console.print(t)
+    for g in doc.get("units_assumed", []):
+        other = "".join(
+            f"; in {where}: " + ", ".join(f"{k} {u}" for k, u in units.items())
+            for where, units in g.get("other_files", {}).items()
+        )
+        console.print(Text(f"units: {g['unit']}: {', '.join(g['benchmarks'])} ({g['assumed']}{other})"))
     label = {"damaged": "repair", "improved": "retention", "unchanged": "change", "target": "target"}
     for cd in doc["candidates"]:
         ct = Table(title=f"candidate {cd['name']}", box=None, header_style="bold")
         for col in ("benchmark", "partition", "score", "vs ft", "vs base", "per-benchmark"):
             ct.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
+        own_units = {bm["name"] for bm in doc["benchmarks"] if bm.get("unit") == "unbounded"}
         for r in cd["benchmarks"]:
-            unit = " pt" if r["partition"] == "unchanged" else " %"
+            unit = (" pt" if r["name"] not in own_units else "") if r["partition"] == "unchanged" else " %"
             ct.add_row(
                 Text(r["name"]),
                 r["partition"],
                 f"{r['value']:.2f}",
                 f"{r['vs_ft']:+.2f}",
                 f"{r['vs_base']:+.2f}",
-                f"{label[r['partition']]} {_fmt_score(r['score'], '+.1f' if unit == ' pt' else '.1f', unit)}",
+                f"{label[r['partition']]} {_fmt_score(r['score'], {' %': '.1f', ' pt': '+.1f'}.get(unit, '+.3g'), unit)}",
             )
         console.print(ct)
         console.print(
@@ -303,6 +318,8 @@ def render_sweep(console: Console, doc: dict) -> None:
         secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
         mark = " ★" if r["order"] == win else ""
         status = r["status"] + (" (cached)" if r["cached"] else "")
+        if r["status"] == "ok" and r.get("feasible") is False:
+            status += " (below target bar)"
         t.add_row(
             str(r["order"]),
             Text(r["name"] + mark),
@@ -339,6 +356,13 @@ def render_sweep(console: Console, doc: dict) -> None:
             )
         )
         console.print(Text(f"reproduce: {w['reproduce']['command']}"))
+        if w["reproduce"].get("out"):
+            console.print(
+                Text(
+                    f"  (writes a copy to {w['reproduce']['out']}: {doc['output']['path']} already holds "
+                    "this checkpoint)"
+                )
+            )
     else:
         console.print(Text(f"no winner: {doc['no_winner_reason']}"))
     console.print(
@@ -373,6 +397,14 @@ def progress_printer(console: Console):
             head = f"[dghard] sweep {ev['order']}/{ev['budget']} {r['name']} ({r['phase']})"
             if r["status"] == "ok":
                 tail = f"HM {_fmt_sweep(r['hm'])} (repair {_fmt_sweep(r['repair'])} %, retention {_fmt_sweep(r['retention'])} %)"
+                if r.get("feasible") is False:
+                    worst = min(
+                        (v for v in (r.get("target_retention") or {}).values() if v is not None), default=None
+                    )
+                    bar = ev.get("min_target_retention")
+                    tail += f"; cannot win: target retention {_fmt_sweep(worst)} % is below" + (
+                        f" --min-target-retention {bar:g} %" if bar is not None else " the bar"
+                    )
             else:
                 tail = f"{r['status']}: {r['message']}"
             secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))

@@ -9,6 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import (
+    DTYPE_CHOICES,
     BaseArg,
     BaseRevisionOpt,
     DeviceOpt,
@@ -24,6 +25,7 @@ from dghard_cli.cli.common import (
     RevisionOpt,
     VerboseOpt,
     app,
+    choices,
     emit,
     lora_options,
     run_cli,
@@ -35,7 +37,7 @@ from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
 from dghard_cli.methods.schedule import schedule_from_options
 from dghard_cli.repair import RepairOptions, repair
-from dghard_cli.spectral.spectrum import ShrinkSpec
+from dghard_cli.spectral.spectrum import NOISE_RULES, ROUTES, SHRINKERS, ShrinkSpec
 
 #: The layer-strength options, as merge has them (declared once: methods/declare.py COMMON).
 LinesOpt = Annotated[Optional[str], typer.Option(LINES.cli_flag, help=LINES.help, show_default=False)]
@@ -76,7 +78,8 @@ def repair_cmd(
     noise: Annotated[
         Optional[str],
         typer.Option(
-            help="median (unknown noise, from the median singular value; default) or known (--sigma)."
+            metavar=choices(NOISE_RULES),
+            help="median (unknown noise, from the median singular value; default) or known (--sigma).",
         ),
     ] = None,
     sigma: Annotated[
@@ -85,7 +88,8 @@ def repair_cmd(
     shrink: Annotated[
         Optional[str],
         typer.Option(
-            help="hard (the paper; default), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk). With --lines: filter first, then scale (without a shrinker option --lines scales Δ itself)."
+            metavar=choices(SHRINKERS),
+            help="hard (the paper; default), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk). With --lines: filter first, then scale (without a shrinker option --lines scales Δ itself).",
         ),
     ] = None,
     a: Annotated[
@@ -104,7 +108,9 @@ def repair_cmd(
     ] = None,
     dtype: Annotated[
         Optional[str],
-        typer.Option(help="Output dtype for floating tensors: bf16, fp16, fp32 (default: FT's)."),
+        typer.Option(
+            metavar=choices(DTYPE_CHOICES), help="Output dtype for floating tensors (default: FT's)."
+        ),
     ] = None,
     report: Annotated[
         Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
@@ -138,7 +144,8 @@ def repair_cmd(
     route: Annotated[
         str,
         typer.Option(
-            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto."
+            metavar=choices(ROUTES),
+            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto.",
         ),
     ] = "auto",
     output_format: FormatOpt = "auto",
@@ -180,6 +187,7 @@ def repair_cmd(
                 overwrite=overwrite,
                 report_path=report,
                 quiet=quiet or json_out,
+                notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
                 allow_nonfinite=allow_nonfinite,
             ),

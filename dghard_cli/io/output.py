@@ -15,12 +15,13 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.atomic import swap_dir_into_place, write_text_atomic
-from dghard_cli.io.checkpoint import path_exists
+from dghard_cli.io.checkpoint import allowed_root, path_exists
 from dghard_cli.io.safetensors_format import build_header
 
 JOURNAL = "dghard_journal.jsonl"
@@ -31,6 +32,39 @@ INDEX_NAME = "model.safetensors.index.json"
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
 SIDE_FILE_SKIP = {"dghard_report.json", "sweep_report.json", "README.md"}
 SIDE_FILE_MAX = 64 * 1024 * 1024
+
+
+def side_file_ok(path: Path, root: Path) -> bool:
+    """Whether a side file of an input may be read: a regular file (links followed) whose real
+    path lies inside ``root`` (the input's :func:`~dghard_cli.io.checkpoint.allowed_root`), at
+    most :data:`SIDE_FILE_MAX` bytes. Anything else is skipped, never read."""
+    try:
+        st = path.stat()
+        real = path.resolve()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_size <= SIDE_FILE_MAX and _is_within(real, root)
+
+
+def read_side_text(directory: Path, name: str) -> tuple[str | None, str | None]:
+    """``(text, None)`` of the UTF-8 side file ``name`` of an input directory, read under the
+    rules of :func:`side_file_ok`; ``(None, why)`` when it is absent or may not be read."""
+    path = Path(directory) / name
+    try:
+        if not os.path.lexists(path):
+            return None, "absent"
+    except OSError:
+        return None, "absent"
+    if not side_file_ok(path, allowed_root(Path(directory))):
+        return None, (
+            f"not read: not a regular file inside {directory}, or larger than {SIDE_FILE_MAX} bytes"
+        )
+    try:
+        return path.read_bytes().decode("utf-8"), None
+    except UnicodeDecodeError:
+        return None, "not read: not UTF-8 text"
+    except OSError as exc:
+        return None, f"not read: {exc.strerror or exc}"
 
 
 def staging_dir(out: Path) -> Path:
@@ -249,6 +283,7 @@ class OutputStage:
     def copy_side_files(self, source_dir: Path, weight_names: set[str]) -> list[str]:
         """Copy the fine-tune's config, generation config, tokenizer and chat template files."""
         copied = []
+        root = allowed_root(Path(source_dir))
         for p in sorted(Path(source_dir).iterdir()):
             name = p.name
             if (
@@ -256,10 +291,8 @@ class OutputStage:
                 or name in SIDE_FILE_SKIP
                 or name.endswith(".safetensors.index.json")
                 or not name.endswith(SIDE_FILE_SUFFIXES)
-                or not p.is_file()
+                or not side_file_ok(p, root)
             ):
-                continue
-            if p.stat().st_size > SIDE_FILE_MAX:
                 continue
             shutil.copyfile(p, self.dir / name)
             copied.append(name)

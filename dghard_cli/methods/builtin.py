@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from dghard_cli.errors import InputError
+from dghard_cli.methods import recall as R
 from dghard_cli.methods.declare import (
     BOOL,
     INT,
@@ -186,15 +187,18 @@ BUILTIN_PARAMS: tuple[Param, ...] = (
         describe=_describe_recall,
         build=_build_recall,
         sub=(
-            SubOption("kernel", "string", "recall: linear-cka (default), rbf-cka or cosine."),
+            SubOption("kernel", "string", "recall: linear-cka (default), rbf-cka or cosine.", R.KERNELS),
             SubOption(
                 "pooling",
                 "string",
                 "recall: token (every token a row; default) or mean (one row per sample).",
+                R.POOLINGS,
             ),
             SubOption("temperature", NUMBER, "recall: softmax temperature (default 0.05)."),
             SubOption("samples", INT, "recall: number of typical samples (default 8)."),
-            SubOption("select", "string", "recall: kmeans (typical samples; default) or first."),
+            SubOption(
+                "select", "string", "recall: kmeans (typical samples; default) or first.", R.SELECTIONS
+            ),
             SubOption("max_tokens", INT, "recall: tokens per sample (default 64)."),
         ),
     ),

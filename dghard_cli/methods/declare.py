@@ -25,6 +25,7 @@ class SubOption:
     name: str
     kind: str  # "number" | "integer" | "string"
     help: str
+    choices: tuple[str, ...] = ()  # the values a "string" key takes (the help lists them)
 
 
 @dataclass(frozen=True)

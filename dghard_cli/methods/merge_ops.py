@@ -360,6 +360,7 @@ class ElementwiseMergeOp:
                 )
             kernel.end_pass()
         sumsq = [0.0] * n
+        dots = [0.0] * n  # ⟨Δ_i, W_base⟩
         merged_sq = 0.0
         for rows in blocks:
             b = self._read(job, src, "base", rows, wd)
@@ -371,6 +372,7 @@ class ElementwiseMergeOp:
                 if not math.isfinite(sq):
                     raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
                 sumsq[i] += sq
+                dots[i] += float(torch.dot(d.reshape(-1), b.reshape(-1))) if d.numel() else 0.0
                 if whole:
                     assert isinstance(kernel, TiesKernel)
                     kernel.trim_whole(i, d, self._exact(job, src, i))
@@ -392,5 +394,7 @@ class ElementwiseMergeOp:
             yield cast_out(src.ft(0, (job.shared_rows, job.shape[0])), job.out_dtype)
         rec["delta_norms"] = [math.sqrt(s) for s in sumsq]
         rec["delta_norm"] = rec["delta_norms"][0]
+        rec["delta_dot_bases"] = dots
+        rec["delta_dot_base"] = dots[0]
         rec["merged_delta_norm"] = math.sqrt(merged_sq)
         rec.update(kernel.stats())

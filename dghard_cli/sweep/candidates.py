@@ -277,6 +277,15 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
     )
 
 
+#: The printed reproduction command writes to OUT + this (OUT itself holds the winner).
+REPRODUCED_SUFFIX = "-reproduced"
+
+
+def reproduced_out(out: str) -> str:
+    """Where the printed reproduction command writes: beside OUT (which holds the winner)."""
+    return (out.rstrip("/") or out) + REPRODUCED_SUFFIX
+
+
 def degenerate_on_adapters(entry: FamilyEntry) -> bool:
     """A family whose cut needs the unknown-noise threshold, undefined on a LoRA update."""
     if entry.family == "dg-hard":

@@ -50,7 +50,13 @@ from dghard_cli.score.metrics import score_candidates
 from dghard_cli.score.results import MetricRule, ResultFile, Score
 from dghard_cli.sweep.cache import Cache, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidate_file import check_entry, load_candidates, parse_candidates
-from dghard_cli.sweep.candidates import Candidate, FamilyEntry, degenerate_on_adapters
+from dghard_cli.sweep.candidates import (  # noqa: F401 (where the reproduction command writes)
+    REPRODUCED_SUFFIX,
+    Candidate,
+    FamilyEntry,
+    degenerate_on_adapters,
+    reproduced_out,
+)
 from dghard_cli.sweep.choose import choose_winner, objective, target_ok
 from dghard_cli.sweep.evaluate import check_template
 from dghard_cli.sweep.lines import bind_entries as bind_lines
@@ -316,10 +322,12 @@ class _Sweep(EvaluationSteps, SweepReport):
             final.mkdir()
         doc = self.report(winner, reason, regenerated)
         doc["output"]["checkpoint_bytes"] = dir_bytes(final)
-        plot = None
-        if self.opts.plot:
-            plot = self.plot(final, winner)
+        plot, skipped = self.plot(final, winner) if self.opts.plot else (None, "not asked for (plot=False)")
         doc["plot"] = plot
+        if skipped is not None:
+            doc["plot_skipped"] = skipped
+            if self.opts.plot:
+                doc["warnings"].append(f"no frontier plot: {skipped}")
         write_json(final / SWEEP_REPORT, doc)
         self.move_into_place(final)
         shutil.rmtree(self.stage, ignore_errors=True)

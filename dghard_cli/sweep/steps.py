@@ -23,6 +23,7 @@ from dghard_cli.sweep.cache import digest, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidates import (
     Candidate,
     reproduce_argv,
+    reproduced_out,
     shell_command,
     write_candidate,
 )
@@ -152,8 +153,14 @@ class EvaluationSteps:
         )
 
     def reproduce(self, cand: Candidate) -> list[str]:
+        # OUT holds the winner when the sweep ends, so the command writes its copy beside it
         return reproduce_argv(
-            cand, self.base_spec, self.ft_specs, self.out_arg, self.opts.device, merge_adapters=self.adapters
+            cand,
+            self.base_spec,
+            self.ft_specs,
+            reproduced_out(self.out_arg),
+            self.opts.device,
+            merge_adapters=self.adapters,
         )
 
     def write(self, cand: Candidate, key: str, target: Path) -> dict:
@@ -235,7 +242,7 @@ class EvaluationSteps:
             "seconds": rec.get("seconds", {}),
             "bytes": rec.get("bytes"),
             "distance": rec.get("distance", math.inf),
-            "reproduce": {"argv": argv, "command": shell_command(argv)},
+            "reproduce": {"argv": argv, "command": shell_command(argv), "out": reproduced_out(self.out_arg)},
             "key": key,
         }
         if rec["status"] == "ok":
@@ -255,7 +262,13 @@ class EvaluationSteps:
         self.cands[key] = cand
         self.rescore()
         self.keep_or_drop(key, cached)
-        self.emit(kind="candidate", row=row, order=order, budget=self.cand_budget)
+        self.emit(
+            kind="candidate",
+            row=row,
+            order=order,
+            budget=self.cand_budget,
+            min_target_retention=self.opts.min_target_retention,
+        )
 
     def keep_or_drop(self, key: str, cached: bool) -> None:
         """Keep the candidate just written if it is the best so far, else delete it."""
