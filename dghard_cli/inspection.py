@@ -31,6 +31,7 @@ from dghard_cli.engine.progress import Progress
 from dghard_cli.engine.runner import inputs_doc
 from dghard_cli.engine.working_memory import check_jobs
 from dghard_cli.errors import InputError
+from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.methods.dg_hard import delta_spectrum
@@ -131,7 +132,11 @@ def inspect_pair(base: str | Path, ft: str | Path, options: InspectOptions | Non
     t_start = time.perf_counter()
     device = resolve_device(opts.device)
     base_ck = open_checkpoint(str(base), revision=opts.base_revision, label="BASE")
-    ft_ck = open_checkpoint(str(ft), revision=opts.ft_revision, label="FT")
+    try:
+        ft_ck = open_ft(str(ft), base=base_ck, revision=opts.ft_revision, label="FT")
+    except BaseException:
+        base_ck.close()
+        raise
     try:
         outputs = []
         if opts.html is not None:

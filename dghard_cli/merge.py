@@ -9,6 +9,8 @@ Methods (Δ_i = W_i − W_base, formed in float32 or wider; the result is cast o
 - ``dare-ties``        W = W_base + λ·disjoint_mean_w(elect_w(DARE_density,seed(Δ_i)))
 - ``recall``           W_l = W_base,l + Σ_i α_{l,i}·Δ_{l,i}, α from hidden-state similarity
 - ``dg-hard``          W = W_base + λ·Σ w_i·Δ_i*, Δ_i* = DG-Hard(Δ_i) on eligible matrices
+- ``slerp``, ``breadcrumbs``, ``breadcrumbs-ties``, ``della``, ``della-linear``, ``model-stock``:
+  see their modules in :mod:`dghard_cli.methods` (mergekit 0.1.5's definitions)
 
 Elementwise methods apply to every floating tensor present with equal shape in BASE and all
 fine-tunes (norms and biases too); dg-hard filters the eligible matrices (repair's rule:
@@ -25,10 +27,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.engine.adapter_run import AdapterOutput, LoraOutputOptions
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
+from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
@@ -37,6 +41,7 @@ from dghard_cli.methods import registry
 from dghard_cli.methods import schedule as sched
 from dghard_cli.methods.calibration import RecallOptions, recall_weights
 from dghard_cli.methods.merge_ops import WHOLE_BYTES
+from dghard_cli.methods.per_tensor import PerTensorOp, TensorParameterSource, tensor_parameter_sets
 
 
 @dataclass
@@ -52,7 +57,7 @@ class MergeOptions:
     alpha: float | None = None
     weights: list[float] | None = None
     lam: float | None = None
-    density: float | None = None
+    density: float | list[float | None] | None = None  # one value, or one per fine-tune (None: default)
     seed: int | None = None
     scale: float | None = None
     calib: Path | None = None
@@ -66,6 +71,10 @@ class MergeOptions:
     whole_bytes: int = WHOLE_BYTES  # TIES: whole tensors up to this size (all work copies)
     create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
     schedule: sched.LayerSchedule | None = None  # --lines / --layer-strengths (registry.COMMON)
+    #: parameters that vary by tensor (a mergekit recipe's gradients/filters): ``(name, layers) ->
+    #: parameter values by name``, see :mod:`dghard_cli.methods.per_tensor`
+    tensor_parameters: TensorParameterSource | None = None
+    lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
 
 
 def canonical_method(method: str) -> str:
@@ -145,9 +154,18 @@ def merge(
         ft_cks = []
         for k, (ft, rev) in enumerate(zip(fts, revs, strict=True), start=1):
             label = "FT" if len(fts) == 1 else f"FT #{k}"
-            ck = open_checkpoint(str(ft), revision=rev, label=label)
+            ck = open_ft(str(ft), base=base_ck, revision=rev, label=label)
             opened.append(ck)
             ft_cks.append(ck)
+        output = AdapterOutput(
+            opts.lora,
+            base_ck,
+            ft_cks,
+            command="merge",
+            method=method,
+            params=p,
+            out_dtype=opts.policy.out_dtype,
+        )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
         _check_dtypes(ft_cks)
         strengths = sched.bind(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
@@ -165,11 +183,36 @@ def merge(
             )
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
-        parameters = {**p, **policy_parameters(opts.policy)}  # p: the schedule's too (registry.COMMON)
-        make_op = lambda device: _make_op(method, p, opts, recall_w, device)  # noqa: E731
+        parameters = {**p, **policy_parameters(opts.policy)}
+        sets = None
+        if opts.tensor_parameters is not None:  # validated for every tensor before anything is written
+            sets = tensor_parameter_sets(plan, opts, len(fts), resolve_parameters)
+            parameters["per_tensor"] = "varies by tensor (the recipe's gradients/filters): see each tensor"
+
+        def make_op(device):
+            if sets is None:
+                return _make_op(method, p, opts, recall_w, device)
+            return PerTensorOp(sets, lambda q: _make_op(method, q, opts, recall_w, device))
+
         if strengths is not None:
             extra["layer_strengths"] = strengths.report()
             make_op = sched.wrap(make_op)
+        if output.format == "peft":
+            if strengths is not None:
+                raise InputError(
+                    "a layer-strength schedule (--lines/--layer-strengths) is written as a full checkpoint: "
+                    "drop --format peft, or pass --merge when the fine-tunes are LoRA adapters"
+                )
+            if opts.create_parents and not opts.run.dry_run:
+                Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+            return output.write(
+                out=Path(out),
+                plan=plan,
+                make_op=make_op,
+                run=opts.run,
+                parameters=parameters,
+            )
+        parameters.update(output.full_parameters())
 
         def extra_report(records: list[dict]) -> dict:
             return {**extra, "merge": registry.summary(method, records, p)}

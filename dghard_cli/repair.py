@@ -13,9 +13,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.engine.adapter_run import AdapterOutput, LoraOutputOptions
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
+from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.methods import schedule as sched
 from dghard_cli.methods.dg_hard import SpectralFilterOp, default_block_bytes
@@ -32,6 +34,7 @@ class RepairOptions:
     block_bytes: int | None = None  # float64 block size of the spectral passes; None: by device
     route: str = "auto"  # auto | gram64 | qr32 (see spectral.choose_route)
     schedule: sched.LayerSchedule | None = None  # --lines / --layer-strengths
+    lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
 
 
 def repair_parameters(opts: RepairOptions) -> dict:
@@ -70,27 +73,50 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
         raise InputError("nothing to do: no spectral filter and no layer-strength schedule")
     t0 = time.perf_counter()
     base_ck = open_checkpoint(str(base), revision=opts.base_revision, label="BASE")
-    ft_ck = open_checkpoint(str(ft), revision=opts.ft_revision, label="FT")
+    try:
+        ft_ck = open_ft(str(ft), base=base_ck, revision=opts.ft_revision, label="FT")
+    except BaseException:
+        base_ck.close()
+        raise
     try:
         spec = opts.spec
-        eligible = sched.scheduled_eligibility(opts.policy) if spec is None else None
-        plan = build_plan(base_ck, [ft_ck], opts.policy, eligible=eligible)
-        strengths = sched.bind(opts.schedule, plan, ft_ck) if opts.schedule is not None else None
-        timings = {"plan": time.perf_counter() - t0}
         if spec is None:
             method = "lines" if opts.schedule.form == "lines" else "layer-strengths"  # type: ignore[union-attr]
         else:
             method = "dg-hard" if spec.shrink == "hard" else f"spectral-{spec.shrink}"
+        output = AdapterOutput(
+            opts.lora,
+            base_ck,
+            [ft_ck],
+            command="repair",
+            method=method,
+            params={},
+            spec=spec,
+            out_dtype=opts.policy.out_dtype,
+        )
+        if opts.schedule is not None and output.format == "peft":
+            raise InputError(
+                "a layer-strength schedule (--lines/--layer-strengths) is written as a full checkpoint: "
+                "drop --format peft, or pass --merge when FT is a LoRA adapter"
+            )
+        eligible = sched.scheduled_eligibility(opts.policy) if spec is None else None
+        plan = build_plan(base_ck, [ft_ck], opts.policy, eligible=eligible)
+        strengths = sched.bind(opts.schedule, plan, ft_ck) if opts.schedule is not None else None
+        timings = {"plan": time.perf_counter() - t0}
 
         def make_op(device):
             if spec is None:
                 return None
             return SpectralFilterOp(spec, device, opts.block_bytes or default_block_bytes(device), opts.route)
 
+        if output.format == "peft":
+            return output.write(
+                out=Path(out), plan=plan, make_op=make_op, run=opts.run, parameters=repair_parameters(opts)
+            )
         doc = write_model(
             command="repair",
             method=method,
-            parameters=repair_parameters(opts),
+            parameters={**repair_parameters(opts), **output.full_parameters()},
             base=base_ck,
             fts=[ft_ck],
             out=Path(out),

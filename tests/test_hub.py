@@ -50,3 +50,30 @@ def test_repair_from_hub_ids_offline_with_the_cache(tmp_path):
     # one it does not: a one-line error that names the id and says how to fix it
     r = run_dghard("repair", "acme/tiny-base", "acme/missing", tmp_path / "out3", env=env)
     assert r.returncode == 2 and "acme/missing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_a_hub_miss_says_what_to_do_for_the_offline_setting_in_force(tmp_path):
+    """With HF_HUB_OFFLINE set, the error must not tell the user to set it; without it, it may."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    base, _ = make_pair(tmp_path / "src", CFG)
+    offline = run_dghard(
+        "repair",
+        base,
+        "acme/not-cached",
+        tmp_path / "o1",
+        env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1"},
+    )
+    assert offline.returncode == 2 and len(offline.stderr.strip().splitlines()) == 1, offline.stderr
+    assert "HF_HUB_OFFLINE is set" in offline.stderr and str(cache) in offline.stderr
+    assert "set HF_HUB_OFFLINE=1" not in offline.stderr
+    # online, with a Hub endpoint that refuses connections: the offline cache is the suggestion
+    online = run_dghard(
+        "repair",
+        base,
+        "acme/not-cached",
+        tmp_path / "o2",
+        env={"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "", "HF_ENDPOINT": "http://127.0.0.1:9"},
+    )
+    assert online.returncode == 2 and len(online.stderr.strip().splitlines()) == 1, online.stderr
+    assert "set HF_HUB_OFFLINE=1" in online.stderr and "HF_HUB_OFFLINE is set" not in online.stderr

@@ -308,11 +308,22 @@ def test_selection_is_exact_when_float32_rounding_makes_ties():
     f = torch.tensor([1.0, 1.0, 0.5, 1.0, 0.25], dtype=torch.float32)
     d32 = (f - b).abs()
     assert d32[0] == d32[1] == d32[3]  # 1 − 2^-30 rounds to 1 in float32
+
+    def exact(i, pos):
+        return (f[pos].double() - b[pos].double()).abs()
+
     for k, expected in [(1, [1]), (2, [0, 1]), (3, [0, 1, 3])]:
-        kern = TiesKernel([1.0], 1.0, k / 5, 5)
-        kern.prepare(0, b, f)
-        out = kern.block([(f - b)])
-        kept = torch.nonzero(out).reshape(-1).tolist()
-        assert kept == expected, (k, kept)
+        for whole in (True, False):  # one pass on the whole tensor, or statistics passes
+            kern = TiesKernel([1.0], 1.0, k / 5, 5)
+            kern.begin(torch.float32, whole=whole)
+            while kern.pending():
+                kern.observe(b, [f])
+                kern.end_pass()
+            d = f - b
+            if whole:
+                kern.trim_whole(0, d, lambda pos: exact(0, pos))
+            out = kern.combine(b, [d], exact)
+            kept = torch.nonzero(out).reshape(-1).tolist()
+            assert kept == expected, (k, whole, kept)
     # without the exact magnitudes the float32 ties would fall to row-major order
     assert ties_mod.topk_mask(d32, 1).nonzero().reshape(-1).tolist() == [0]

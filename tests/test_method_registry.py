@@ -73,6 +73,8 @@ def added(monkeypatch):
 def test_builtin_surfaces_are_derived_in_their_historic_order():
     assert registry.method_names() == (
         "wise-ft", "task-arithmetic", "ties", "dare", "dare-linear", "dare-ties", "recall", "dg-hard",
+        # then the method modules, in module-name order
+        "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "model-stock", "slerp",
     )  # fmt: skip
     assert [p.name for p in registry.scalar_params()] == [
         "alpha",
@@ -81,6 +83,10 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
         "density",
         "seed",
         "scale",
+        # then the method modules' (breadcrumbs, della, slerp)
+        "gamma",
+        "epsilon",
+        "t",
     ]
     keys = list(top_keys())
     assert keys[:4] == ["method", "base", "models", "out"]

@@ -235,3 +235,55 @@ def test_verify_command_rechecks_a_written_directory(tmp_path):
     r = CliRunner().invoke(app, ["verify", str(out)])
     assert r.exit_code == 1 and "NaN" in r.stderr
     assert CliRunner().invoke(app, ["verify", str(tmp_path / "nope")]).exit_code == 2
+
+
+def test_a_resumed_run_says_so_on_stderr_and_in_the_report(tmp_path):
+    from conftest import run_dghard
+
+    from dghard_cli.engine.plan import PolicyOptions, build_plan
+    from dghard_cli.engine.runner import fingerprint
+    from dghard_cli.io.hub import open_checkpoint
+    from dghard_cli.io.output import file_sha256
+    from dghard_cli.repair import repair_parameters
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
+
+    base, ft = make_pair(
+        tmp_path,
+        ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, vocab_size=64),
+        ft_shards=3,
+    )
+    ref = tmp_path / "ref"
+    fresh = run_dghard("repair", base, ft, ref, "--json")
+    assert fresh.returncode == 0, fresh.stderr
+    assert "resuming" not in fresh.stderr
+    assert json.loads(fresh.stdout)["output"]["resumed"] is False
+    # an interrupted run of the same command: its first shard journaled in the staging directory
+    b, f = open_checkpoint(str(base)), open_checkpoint(str(ft))
+    plan = build_plan(b, [f], PolicyOptions())
+    fp = fingerprint("repair", "dg-hard", repair_parameters(RepairOptions()), plan, [b, f])
+    out = tmp_path / "out"
+    stage = staging_dir(out)
+    stage.mkdir()
+    ref_report = json.loads((ref / "dghard_report.json").read_text())
+    first = sorted(p.name for p in ref.glob("*.safetensors"))[0]
+    recs = [r for r in ref_report["tensors"] if r["shard"] == first]
+    (stage / first).write_bytes((ref / first).read_bytes())
+    rec = {
+        "name": first,
+        "size": (ref / first).stat().st_size,
+        "sha256": file_sha256(ref / first),
+        "tensors": recs,
+    }
+    (stage / JOURNAL).write_text(json.dumps({"fingerprint": fp}) + "\n" + json.dumps(rec) + "\n")
+    r = run_dghard("repair", base, ft, out, "--json")
+    assert r.returncode == 0, r.stderr
+    total = len(ref_report["tensors"])
+    lines = [ln for ln in r.stderr.splitlines() if "resuming" in ln]
+    assert lines == [
+        f"[dghard] resuming: {len(recs)} of {total} tensors already written (1 of 3 shards, verified), continuing"
+    ]
+    doc = json.loads(r.stdout)
+    assert doc["output"]["resumed"] is True and doc["output"]["resumed_tensors"] == len(recs)
+    assert doc["output"]["resumed_shards"] == [first]
+    assert json.loads((out / "dghard_report.json").read_text())["output"]["resumed"] is True
+    assert shard_bytes(out) == shard_bytes(ref)

@@ -328,7 +328,9 @@ def test_subtasks_groups_without_aggregate_and_nan(tmp_path):
 
 def test_scale_rules(tmp_path):
     p = write_json(tmp_path / "pts.json", {"a": 45.0, "b": 0.5})
-    assert load_results(p)["b"].value == 0.5  # points: not every value is a fraction
+    # each benchmark its own unit: b is a fraction beside a's points (--units points: 0.5 points)
+    assert load_results(p)["b"].value == pytest.approx(50.0) and load_results(p)["a"].value == 45.0
+    assert load_results(p, scale="points")["b"].value == 0.5
     assert load_results(write_json(tmp_path / "fr.json", {"a": 0.45}))["a"].value == pytest.approx(45.0)
     assert load_results(tmp_path / "fr.json", scale="points")["a"].value == 0.45
     with pytest.raises(InputError, match="not in \\[0, 1\\]"):

@@ -352,10 +352,10 @@ def test_the_printed_command_writes_the_winner_byte_for_byte(pair, uninterrupted
     doc, out, _ = uninterrupted
     argv = doc["winner"]["reproduce"]["argv"]
     assert argv[:2] in (["dghard", "repair"], ["dghard", "merge"])
-    again = tmp_path / "again"
-    args = [str(again) if a == str(out) else a for a in argv[1:]]
-    assert str(again) in args
-    r = run_dghard(*args, "--quiet")
+    # verbatim: it writes beside OUT (OUT holds the winner already)
+    again = Path(doc["winner"]["reproduce"]["out"])
+    assert str(again) == str(out) + "-reproduced" and str(again) in argv and str(out) not in argv
+    r = run_dghard(*argv[1:], "--quiet")
     assert r.returncode == 0, r.stderr
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert shards == sorted(p.name for p in again.glob("*.safetensors")) and shards
@@ -607,8 +607,8 @@ def test_merge_methods_with_two_fine_tunes(pair, tmp_path):
         assert abs(bm["ft"] - max(pair.ft_scores[bm["name"]], scores2[bm["name"]])) < 1e-4
     argv = doc["winner"]["reproduce"]["argv"]
     assert argv[:3] == ["dghard", "merge", "--method"] and str(ft2) in argv
-    again = tmp_path / "again"
-    r = run_dghard(*[str(again) if a == str(out) else a for a in argv[1:]], "--quiet")
+    again = Path(doc["winner"]["reproduce"]["out"])
+    r = run_dghard(*argv[1:], "--quiet")  # verbatim
     assert r.returncode == 0, r.stderr
     for p in out.glob("*.safetensors"):
         assert p.read_bytes() == (again / p.name).read_bytes()

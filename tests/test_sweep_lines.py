@@ -115,7 +115,8 @@ def test_the_lines_winner_is_written_byte_for_byte_by_its_command(grouped, tmp_p
     argv = doc["winner"]["reproduce"]["argv"]
     assert argv[:2] == ["dghard", "repair"] and ("--lines" in argv or "--layer-strengths" in argv)
     again = tmp_path / "again"
-    r = run_dghard(*[str(again) if a == str(out) else a for a in argv[1:]], "--quiet")
+    # the printed command writes beside OUT (OUT holds the winner): redirect it to `again`
+    r = run_dghard(*[str(again) if a == str(out) + "-reproduced" else a for a in argv[1:]], "--quiet")
     assert r.returncode == 0, r.stderr
     shards = sorted(p.name for p in out.glob("*.safetensors"))
     assert shards and shards == sorted(p.name for p in again.glob("*.safetensors"))

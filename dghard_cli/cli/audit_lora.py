@@ -6,7 +6,18 @@ from typing import Annotated, Optional
 
 import typer
 
-from dghard_cli.cli.common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, check_failed, emit, run_cli
+from dghard_cli.audit.findings import LEVELS
+from dghard_cli.cli.common import (
+    DeviceOpt,
+    JsonOpt,
+    QuietOpt,
+    VerboseOpt,
+    app,
+    check_failed,
+    choices,
+    emit,
+    run_cli,
+)
 from dghard_cli.cli.render import render_findings
 
 AUDIT_EPILOG = """
@@ -35,7 +46,12 @@ def audit_lora_cmd(
     revision: Annotated[Optional[str], typer.Option(help="Hub revision of ADAPTER.")] = None,
     base_revision: Annotated[Optional[str], typer.Option(help="Hub revision of BASE.")] = None,
     fail_on: Annotated[
-        str, typer.Option("--fail-on", help="Exit 1 when a finding reaches this level: error, warn or info.")
+        str,
+        typer.Option(
+            "--fail-on",
+            metavar=choices(reversed(LEVELS)),
+            help="Exit 1 when a finding reaches this level: error, warn or info.",
+        ),
     ] = "error",
     top_k: Annotated[
         int,

@@ -6,27 +6,69 @@ tensor); 3 runtime failure (out of memory, disk full, interrupted: the output is
 
 from __future__ import annotations
 
+import io
 import json
+import os
 import sys
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Annotated, Any, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.text import Text
+from typer.core import TyperCommand, TyperGroup
 
 from dghard_cli import __version__
 from dghard_cli.cli import interrupts
 from dghard_cli.cli.interrupts import InterruptGuard
 from dghard_cli.cli.progress import RichBar
+from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.memory import limit_allocator_retention
 from dghard_cli.engine.progress import set_terminal_bar
 from dghard_cli.errors import CheckFailed, DGHardError
 
 set_terminal_bar(RichBar)  # the engine counts; on a terminal the command line shows a rich bar
 
-app = typer.Typer(
+
+# typer 0.29's rich help prints every option's value type, and `<bool>` for a flag, which takes
+# no value. typer shows an option's ``metavar`` in that column when one is set, so a flag gets
+# an empty one (click ignores a flag's metavar everywhere else), and options with a fixed set of
+# values get ``metavar=choices(...)``: the values stay plain strings, checked by the library
+# with its one-line errors (a ``Literal`` annotation would list them too, but its bad values
+# would be typer's multi-line error box).
+def choices(values: Iterable[str]) -> str:
+    """The help's type column for an option taking one of ``values``: ``a|b|c``."""
+    return "|".join(values)
+
+
+def _blank_flag_types(params: list) -> list:
+    for p in params:
+        if getattr(p, "is_flag", False) and not getattr(p, "count", False) and p.metavar is None:
+            p.metavar = ""
+    return params
+
+
+class _Command(TyperCommand):
+    def get_params(self, ctx: click.Context) -> list:
+        return _blank_flag_types(super().get_params(ctx))
+
+
+class _Group(TyperGroup):
+    def get_params(self, ctx: click.Context) -> list:
+        return _blank_flag_types(super().get_params(ctx))
+
+
+class _App(typer.Typer):
+    """Every command of ``app`` is a :class:`_Command` (flags show no type in the help)."""
+
+    def command(self, *args: Any, cls: type[TyperCommand] | None = None, **kwargs: Any):  # type: ignore[override]
+        return super().command(*args, cls=cls or _Command, **kwargs)
+
+
+app = _App(
+    cls=_Group,
     name="dghard",
     help=(
         "Repair catastrophic forgetting in fine-tuned checkpoints after the fact: spectral "
@@ -38,9 +80,17 @@ app = typer.Typer(
 )
 
 # -- shared options -------------------------------------------------------------------------
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 DeviceOpt = Annotated[
-    str, typer.Option("--device", help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present).")
+    str,
+    typer.Option(
+        "--device",
+        metavar=choices(DEVICES),
+        help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present).",
+    ),
 ]
+#: The output dtypes ``--dtype`` takes (more spellings are accepted, see safetensors_format).
+DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp64")
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no summary.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail; tracebacks on errors.")]
 BaseArg = Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")]
@@ -60,6 +110,42 @@ JsonOpt = Annotated[
         "--json", help="Print the machine-readable result (one JSON document) on stdout and nothing else."
     ),
 ]
+
+
+# -- output format of repair and merge (a PEFT LoRA adapter or a full checkpoint) ---------------
+FormatOpt = Annotated[
+    str,
+    typer.Option(
+        "--format",
+        help="Output: auto (an adapter when every FT is a PEFT LoRA adapter, else a full checkpoint), "
+        "full, or peft (a PEFT LoRA adapter whose per-module rank is the kept rank).",
+    ),
+]
+MergeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--merge",
+        help="FT is a LoRA adapter: write the full merged checkpoint (BASE + ΔW, as PEFT's merge_and_unload) "
+        "instead of an adapter.",
+    ),
+]
+RankOpt = Annotated[
+    Optional[int],
+    typer.Option(
+        "--rank",
+        help="--format peft: truncate each module's update to this rank with the exact SVD (needed when "
+        "the update is not low-rank: TIES, DARE, strengths of full fine-tunes); the energy lost is reported.",
+    ),
+]
+
+
+def lora_options(fmt: str, merge: bool, rank: int | None) -> LoraOutputOptions:
+    """The library's output options from ``--format``, ``--merge`` and ``--rank``."""
+    return LoraOutputOptions(format=fmt.strip().lower(), merge=merge, rank=rank)
+
+
+def is_adapter_doc(doc: dict) -> bool:
+    return (doc.get("output") or {}).get("format") == "peft"
 
 
 def _err_console() -> Console:
@@ -109,13 +195,55 @@ def check_failed(reason: str) -> None:
     run_cli(fail, verbose=False)
 
 
+class _TrimmedLines(io.TextIOBase):
+    """Writes whole lines to ``out`` without their trailing blanks.
+
+    rich pads every row of a table to the table's width, so in a log each short row ends in a
+    run of spaces (up to the console's width); a log reader wants the text only.
+    """
+
+    def __init__(self, out) -> None:
+        super().__init__()
+        self._out = out
+        self._partial = ""
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return getattr(self._out, "encoding", None) or "utf-8"
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self._out.write(line.rstrip(" ") + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        self._out.flush()
+
+    def finish(self) -> None:
+        if self._partial:
+            self._out.write(self._partial.rstrip(" "))
+            self._partial = ""
+        self._out.flush()
+
+
 def emit(doc: dict, *, as_json: bool, quiet: bool, render: Callable[[Console], None]) -> None:
     if as_json:
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         sys.stdout.flush()
     elif not quiet:
-        # logs are not terminals: use a wide line instead of rich's default of 80 columns
-        render(Console(highlight=False, width=None if sys.stdout.isatty() else 200))
+        if sys.stdout.isatty():
+            render(Console(highlight=False))
+            return
+        # a log: lines as wide as their content (no padding), wrapped at $COLUMNS when it is
+        # set, else at 200 columns rather than rich's default of 80
+        columns = os.environ.get("COLUMNS", "").strip()
+        out = _TrimmedLines(sys.stdout)
+        render(Console(highlight=False, width=None if columns.isdigit() else 200, file=out))
+        out.finish()
 
 
 def _version(value: bool) -> None:

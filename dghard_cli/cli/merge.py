@@ -10,17 +10,24 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import (
+    DEVICES,
+    DTYPE_CHOICES,
     BaseRevisionOpt,
+    FormatOpt,
     IncludeOpt,
     JsonOpt,
+    MergeOpt,
     OverwriteOpt,
     QuietOpt,
+    RankOpt,
     VerboseOpt,
     app,
+    choices,
     emit,
+    lora_options,
     run_cli,
 )
-from dghard_cli.cli.render import render_merge, render_plan
+from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_merge, render_plan
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
@@ -43,9 +50,21 @@ MERGE_EPILOG = """
 
     dghard merge --method dg-hard --weights 1,1 BASE FT_A FT_B --out m   # DG-Hard each delta, then sum
 
+    dghard merge --method slerp --t 0.3 BASE FT --out m                 # spherical interpolation
+
+    dghard merge --method della --density 0.4 --epsilon 0.1 BASE FT_A FT_B --out m
+
+    dghard merge --method model-stock BASE FT_A FT_B FT_C --out m
+
     dghard merge --config configs/ties.yaml                          # a YAML recipe
 
     dghard merge --method ties --lines 0.2,0.6 BASE FT_A FT_B --out m   # W_base + λ(ℓ)·τ_merged
+    dghard merge --config mergekit.yml --out merged                  # a mergekit recipe, unchanged
+    dghard merge --method task-arithmetic BASE ADAPTER --out merged --merge   # adapter into BASE
+
+    dghard merge --method wise-ft --alpha 0.6 BASE ADAPTER --out weaker       # an adapter, B scaled
+
+    dghard merge --method ties --weights 1,1 BASE AD_A AD_B --out m --rank 16  # adapters -> adapter
 """
 
 
@@ -70,7 +89,12 @@ def _head(
     method: Annotated[
         Optional[str],
         typer.Option(
-            "--method", "-m", help=f"One of: {', '.join(registry.method_names())}.", show_default=False
+            "--method",
+            "-m",
+            # the list is too long for the type column: a name there, the values in the help
+            metavar="<method>",
+            help=f"One of: {', '.join(registry.method_names())}.",
+            show_default=False,
         ),
     ] = None,
     config: Annotated[
@@ -97,7 +121,9 @@ def _tail(
     ] = None,
     dtype: Annotated[
         Optional[str],
-        typer.Option(help="Output dtype of floating tensors: bf16, fp16, fp32 (default: FT's)."),
+        typer.Option(
+            metavar=choices(DTYPE_CHOICES), help="Output dtype of floating tensors (default: FT's)."
+        ),
     ] = None,
     report: Annotated[
         Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
@@ -115,8 +141,15 @@ def _tail(
     base_revision: BaseRevisionOpt = None,
     device: Annotated[
         Optional[str],
-        typer.Option("--device", help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present)."),
+        typer.Option(
+            "--device",
+            metavar=choices(DEVICES),
+            help="auto, cpu, cuda or cuda:N (auto: first CUDA device if present).",
+        ),
     ] = None,
+    output_format: FormatOpt = "auto",
+    merge_adapter: MergeOpt = False,
+    rank: RankOpt = None,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     json_out: JsonOpt = False,
@@ -130,17 +163,22 @@ _PY_TYPES = {
     registry.WEIGHTS: str,
     registry.PATH: Path,
     registry.SCHEDULE: str,
+    registry.BOOL: bool,
     "string": str,
 }
 
 
-def _option(name: str, kind: str, flag: str, help_text: str) -> inspect.Parameter:
+def _option(
+    name: str, kind: str, flag: str, help_text: str, values: tuple[str, ...] = ()
+) -> inspect.Parameter:
     tp = Optional[_PY_TYPES[kind]]  # noqa: UP045 - typer reads the annotation at run time
+    metavar = choices(values) if values else None
+    if kind == registry.BOOL:  # a switch either way; not given: the method's default
+        option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
+    else:
+        option = typer.Option(flag, help=help_text, metavar=metavar)
     return inspect.Parameter(
-        name,
-        inspect.Parameter.KEYWORD_ONLY,
-        default=None,
-        annotation=Annotated[tp, typer.Option(flag, help=help_text)],
+        name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[tp, option]
     )
 
 
@@ -157,7 +195,10 @@ def _param_options() -> list[inspect.Parameter]:
     out = []
     for q in registry.params().values():
         if q.kind == registry.MAPPING:
-            out += [_option(_sub_name(q, sub), sub.kind, _sub_flag(q, sub), sub.help) for sub in q.sub]
+            out += [
+                _option(_sub_name(q, sub), sub.kind, _sub_flag(q, sub), sub.help, sub.choices)
+                for sub in q.sub
+            ]
         else:
             out.append(_option(f"param_{q.name}", q.kind, q.cli_flag, q.help))
     return out
@@ -194,8 +235,21 @@ def _cli_values(kw: dict, recipe_values: dict, recipe_maps: dict, where: str | N
     return values
 
 
+def _given_on_command_line(kw: dict) -> set[str]:
+    """The method parameters given as options (they win over a recipe's per-tensor values)."""
+    out = set()
+    for q in registry.params().values():
+        if q.kind == registry.MAPPING:
+            if any(kw[_sub_name(q, sub)] is not None for sub in q.sub):
+                out.add(q.name)
+        elif kw[f"param_{q.name}"] is not None:
+            out.add(q.name)
+    return out
+
+
 def merge_cmd(**kw) -> None:
-    """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard."""
+    """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard,
+    SLERP, Breadcrumbs, DELLA, Model Stock."""
 
     models, method, config, out = kw["models"], kw["method"], kw["config"], kw["out"]
     base_revision, verbose, json_out = kw["base_revision"], kw["verbose"], kw["json_out"]
@@ -206,6 +260,7 @@ def merge_cmd(**kw) -> None:
         maps: dict = {}
         ft_revisions = None
         rev_base = base_revision
+        recipe = None
         if config is not None:
             recipe = load_recipe(config)
             if models:
@@ -219,6 +274,8 @@ def merge_cmd(**kw) -> None:
             values = dict(recipe.values)
             if recipe.weights is not None:
                 values["weights"] = recipe.weights
+            if recipe.densities is not None:
+                values["density"] = recipe.densities
             values["method"] = recipe.method
             maps = recipe.maps
         else:
@@ -235,6 +292,10 @@ def merge_cmd(**kw) -> None:
         if chosen_method is None:
             raise InputError("--method is required (or 'method:' in the --config recipe)")
         out_dir = pick("out", out)
+        if out_dir is None and recipe is not None and recipe.mergekit:
+            raise InputError(
+                f"--out OUT is required with the mergekit recipe {config} (mergekit-yaml's OUT argument)"
+            )
         if out_dir is None:
             raise InputError("--out is required (or 'out:' in the --config recipe)")
         by_name = _cli_values(kw, values, maps, f"recipe {config}" if config is not None else None)
@@ -264,11 +325,18 @@ def merge_cmd(**kw) -> None:
                 overwrite=kw["overwrite"],
                 report_path=Path(rp) if rp is not None else None,
                 quiet=quiet or json_out,
+                notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
             ),
             base_revision=rev_base,
             ft_revisions=ft_revisions,
             create_parents=out is None,  # the recipe's out: its parent directories are made
+            tensor_parameters=(
+                recipe.tensor_parameters.without(_given_on_command_line(kw))  # the command line wins
+                if recipe is not None and recipe.tensor_parameters is not None
+                else None
+            ),
+            lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"]),
         )
         if rp is not None:  # the recipe and a method's input files (--calib) are inputs too
             given = [("--config", config)]
@@ -281,7 +349,9 @@ def merge_cmd(**kw) -> None:
         return merge(base, fts, Path(out_dir), opts)
 
     doc = run_cli(body, verbose=verbose)
-    if dry_run:
+    if is_adapter_doc(doc):
+        emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
+    elif dry_run:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
     else:
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_merge(c, doc))

@@ -43,6 +43,12 @@ def summary_table(report: dict):
         t.add_row("peak RSS", f"{mem['rss_bytes'] / 2**20:.0f} MiB")
     if report.get("output"):
         t.add_row("output", str(report["output"].get("path")))
+        if report["output"].get("resumed"):
+            t.add_row(
+                "resumed",
+                f"{report['output']['resumed_tensors']} of {s['tensors']} tensors were already written "
+                "by an interrupted run",
+            )
     if s.get("verdict"):
         t.add_row("verdict", s["verdict"])
     for w in s.get("warnings", []):
@@ -107,7 +113,9 @@ def _fmt_score(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
 def render_score(console, doc: dict) -> None:
     """Tables for the terminal: benchmarks and partitions, one per candidate, the ranking."""
 
-    t = Table(title="benchmarks (points)", box=None, header_style="bold")
+    own = any(g["unit"] == "unbounded" for g in doc.get("units_assumed", []))
+    title = "benchmarks (points; unbounded scores in their own units)" if own else "benchmarks (points)"
+    t = Table(title=title, box=None, header_style="bold")
     for col in ("benchmark", "base", "ft", "ft − base", "margin", "partition"):
         t.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
     for bm in doc["benchmarks"]:
@@ -122,20 +130,27 @@ def render_score(console, doc: dict) -> None:
             bm["partition"],
         )
     console.print(t)
+    for g in doc.get("units_assumed", []):
+        other = "".join(
+            f"; in {where}: " + ", ".join(f"{k} {u}" for k, u in units.items())
+            for where, units in g.get("other_files", {}).items()
+        )
+        console.print(Text(f"units: {g['unit']}: {', '.join(g['benchmarks'])} ({g['assumed']}{other})"))
     label = {"damaged": "repair", "improved": "retention", "unchanged": "change", "target": "target"}
     for cd in doc["candidates"]:
         ct = Table(title=f"candidate {cd['name']}", box=None, header_style="bold")
         for col in ("benchmark", "partition", "score", "vs ft", "vs base", "per-benchmark"):
             ct.add_column(col, justify="left" if col in ("benchmark", "partition") else "right")
+        own_units = {bm["name"] for bm in doc["benchmarks"] if bm.get("unit") == "unbounded"}
         for r in cd["benchmarks"]:
-            unit = " pt" if r["partition"] == "unchanged" else " %"
+            unit = (" pt" if r["name"] not in own_units else "") if r["partition"] == "unchanged" else " %"
             ct.add_row(
                 Text(r["name"]),
                 r["partition"],
                 f"{r['value']:.2f}",
                 f"{r['vs_ft']:+.2f}",
                 f"{r['vs_base']:+.2f}",
-                f"{label[r['partition']]} {_fmt_score(r['score'], '+.1f' if unit == ' pt' else '.1f', unit)}",
+                f"{label[r['partition']]} {_fmt_score(r['score'], {' %': '.1f', ' pt': '+.1f'}.get(unit, '+.3g'), unit)}",
             )
         console.print(ct)
         console.print(
@@ -184,7 +199,11 @@ def render_merge(console: Console, doc: dict) -> None:
     t = Table(show_header=False, box=None)
     t.add_column(style="bold")
     t.add_column()
-    shown = {q.name: p[q.name] for q in registry.scalar_params() if q.name in p}
+    shown = {
+        q.name: p[q.name]
+        for q in registry.params().values()
+        if (q.scalar or q.kind == registry.BOOL) and q.name in p
+    }
     if shown:
         t.add_row("parameters", ", ".join(f"{k}={v}" for k, v in shown.items()))
     if "kept_fraction" in m:
@@ -198,6 +217,12 @@ def render_merge(console: Console, doc: dict) -> None:
             "dg-hard",
             f"{m['filtered_matrices']} matrices filtered, {m['task_arithmetic_tensors']} tensors by task arithmetic",
         )
+    if "spherical_tensors" in m:
+        t.add_row(
+            "slerp", f"{m['spherical_tensors']} tensors spherical, {m['linear_tensors']} linear (colinear)"
+        )
+    if m.get("median_stock_t") is not None:
+        t.add_row("model stock", f"median t = {m['median_stock_t']:.4f}")
     if m.get("median_rank_kept"):
         t.add_row("median rank kept", ", ".join(str(r) for r in m["median_rank_kept"]))
     console.print(t)
@@ -293,6 +318,8 @@ def render_sweep(console: Console, doc: dict) -> None:
         secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
         mark = " ★" if r["order"] == win else ""
         status = r["status"] + (" (cached)" if r["cached"] else "")
+        if r["status"] == "ok" and r.get("feasible") is False:
+            status += " (below target bar)"
         t.add_row(
             str(r["order"]),
             Text(r["name"] + mark),
@@ -329,6 +356,13 @@ def render_sweep(console: Console, doc: dict) -> None:
             )
         )
         console.print(Text(f"reproduce: {w['reproduce']['command']}"))
+        if w["reproduce"].get("out"):
+            console.print(
+                Text(
+                    f"  (writes a copy to {w['reproduce']['out']}: {doc['output']['path']} already holds "
+                    "this checkpoint)"
+                )
+            )
     else:
         console.print(Text(f"no winner: {doc['no_winner_reason']}"))
     console.print(
@@ -363,6 +397,14 @@ def progress_printer(console: Console):
             head = f"[dghard] sweep {ev['order']}/{ev['budget']} {r['name']} ({r['phase']})"
             if r["status"] == "ok":
                 tail = f"HM {_fmt_sweep(r['hm'])} (repair {_fmt_sweep(r['repair'])} %, retention {_fmt_sweep(r['retention'])} %)"
+                if r.get("feasible") is False:
+                    worst = min(
+                        (v for v in (r.get("target_retention") or {}).values() if v is not None), default=None
+                    )
+                    bar = ev.get("min_target_retention")
+                    tail += f"; cannot win: target retention {_fmt_sweep(worst)} % is below" + (
+                        f" --min-target-retention {bar:g} %" if bar is not None else " the bar"
+                    )
             else:
                 tail = f"{r['status']}: {r['message']}"
             secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
@@ -476,3 +518,55 @@ def render_verify(console: Console, directory, doc: dict) -> None:
             f"{doc['bytes'] / 1e6:.1f} MB; checked {', '.join(doc['checks'])}{skipped}"
         )
     )
+
+
+# -- adapter outputs (repair/merge --format peft) ---------------------------------------------------
+
+
+def is_adapter_doc(doc: dict) -> bool:
+    """A repair or merge document of an adapter output (rendered by :func:`render_adapter`)."""
+    return (doc.get("output") or {}).get("format") == "peft"
+
+
+def render_adapter(console: Console, doc: dict) -> None:
+    """The summary of an adapter output."""
+    a = doc.get("adapter", {})
+    out = doc["output"]
+    if out.get("dry_run"):
+        s = doc["summary"]
+        route = doc["parameters"].get("adapter_route")
+        console.print(
+            Text(
+                f"dry run: {out['path']} would get a PEFT LoRA adapter ({route} route) from {s['tensors']} "
+                f"tensors; the full checkpoint would be {out['full_checkpoint_bytes'] / 1e6:.1f} MB"
+            )
+        )
+        for note in doc.get("notes", []):
+            console.print(Text(f"note: {note}"))
+        return
+    t = Table(show_header=False, box=None)
+    t.add_column(style="bold")
+    t.add_column()
+    t.add_row("output", Text(f"{out['path']} (PEFT LoRA adapter, {a.get('route')} route)"))
+    t.add_row(
+        "modules",
+        f"{a.get('lora_modules', 0)} low-rank (rank median {a.get('rank_median')}, max {a.get('rank_max')}), "
+        f"{a.get('full_tensors', 0)} full tensors",
+    )
+    if a.get("modules_to_save"):
+        t.add_row("modules_to_save", Text(", ".join(a["modules_to_save"])))
+    size, full = a.get("bytes") or 0, a.get("full_checkpoint_bytes") or 0
+    ratio = f" ({100 * size / full:.2f} % of the {full / 1e6:.1f} MB full checkpoint)" if full else ""
+    t.add_row("size", f"{size / 1e6:.2f} MB{ratio}")
+    t.add_row(
+        "energy lost",
+        f"{a.get('energy_lost_max', 0.0):.3g} (largest share of a module's update cut by the rank limit: "
+        f"{a.get('rank_cap') or 'none'})",
+    )
+    t.add_row("time", f"{doc['timings'].get('total', 0.0):.1f} s")
+    console.print(t)
+    verdict = (doc.get("summary") or {}).get("verdict")
+    if verdict:
+        console.print(Text(f"verdict: {verdict}"))
+    for w in (doc.get("summary") or {}).get("warnings", []):
+        console.print(Text(f"warning: {w}"))

@@ -9,29 +9,35 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import (
+    DTYPE_CHOICES,
     BaseArg,
     BaseRevisionOpt,
     DeviceOpt,
     ExcludeOpt,
+    FormatOpt,
     FtArg,
     IncludeOpt,
     JsonOpt,
+    MergeOpt,
     OverwriteOpt,
     QuietOpt,
+    RankOpt,
     RevisionOpt,
     VerboseOpt,
     app,
+    choices,
     emit,
+    lora_options,
     run_cli,
 )
-from dghard_cli.cli.render import render_plan, render_report
+from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_plan, render_report
 from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
 from dghard_cli.methods.schedule import schedule_from_options
 from dghard_cli.repair import RepairOptions, repair
-from dghard_cli.spectral.spectrum import ShrinkSpec
+from dghard_cli.spectral.spectrum import NOISE_RULES, ROUTES, SHRINKERS, ShrinkSpec
 
 #: The layer-strength options, as merge has them (declared once: methods/declare.py COMMON).
 LinesOpt = Annotated[Optional[str], typer.Option(LINES.cli_flag, help=LINES.help, show_default=False)]
@@ -53,6 +59,9 @@ REPAIR_EPILOG = """
     dghard repair BASE FT OUT --lines 0.2,0.6                   # W_base + λ(ℓ)·Δ (LiNeS)
 
     dghard repair BASE FT OUT --lines 0.2,0.6 --shrink hard     # W_base + λ(ℓ)·Δ* (DG-Hard, then λ)
+    dghard repair BASE FT OUT --format peft        # the repair as a PEFT LoRA adapter (rank = kept rank)
+
+    dghard repair BASE ADAPTER OUT --merge         # FT a LoRA adapter: repair the merged checkpoint
 """
 
 
@@ -69,7 +78,8 @@ def repair_cmd(
     noise: Annotated[
         Optional[str],
         typer.Option(
-            help="median (unknown noise, from the median singular value; default) or known (--sigma)."
+            metavar=choices(NOISE_RULES),
+            help="median (unknown noise, from the median singular value; default) or known (--sigma).",
         ),
     ] = None,
     sigma: Annotated[
@@ -78,7 +88,8 @@ def repair_cmd(
     shrink: Annotated[
         Optional[str],
         typer.Option(
-            help="hard (the paper; default), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk). With --lines: filter first, then scale (without a shrinker option --lines scales Δ itself)."
+            metavar=choices(SHRINKERS),
+            help="hard (the paper; default), soft (σ − τ), optimal (Gavish–Donoho 2017 Frobenius), twoknob (a·spikes + b·bulk). With --lines: filter first, then scale (without a shrinker option --lines scales Δ itself).",
         ),
     ] = None,
     a: Annotated[
@@ -97,7 +108,9 @@ def repair_cmd(
     ] = None,
     dtype: Annotated[
         Optional[str],
-        typer.Option(help="Output dtype for floating tensors: bf16, fp16, fp32 (default: FT's)."),
+        typer.Option(
+            metavar=choices(DTYPE_CHOICES), help="Output dtype for floating tensors (default: FT's)."
+        ),
     ] = None,
     report: Annotated[
         Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
@@ -131,9 +144,13 @@ def repair_cmd(
     route: Annotated[
         str,
         typer.Option(
-            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto."
+            metavar=choices(ROUTES),
+            help="Linear algebra: gram64 (float64 Gram, exact), qr32 (float32 QR + float64 eigh, for GPUs with slow float64; ambiguous cuts are redone in float64), auto.",
         ),
     ] = "auto",
+    output_format: FormatOpt = "auto",
+    merge: MergeOpt = False,
+    rank: RankOpt = None,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -170,15 +187,19 @@ def repair_cmd(
                 overwrite=overwrite,
                 report_path=report,
                 quiet=quiet or json_out,
+                notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
                 allow_nonfinite=allow_nonfinite,
             ),
             base_revision=base_revision,
             ft_revision=revision,
             route=route,
+            lora=lora_options(output_format, merge, rank),
         )
         doc = repair(base, ft, out, opts)
-        if dry_run:
+        if is_adapter_doc(doc):
+            emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
+        elif dry_run:
             emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_plan(c, doc, verbose))
         else:
             emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_report(c, doc))

@@ -8,11 +8,12 @@ from typing import Annotated, Optional
 
 import typer
 
-from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, check_failed, emit, run_cli
+from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, check_failed, choices, emit, run_cli
 from dghard_cli.cli.render import render_score
 from dghard_cli.errors import InputError
 from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.paths import Output, check_outputs
+from dghard_cli.score.results import SCALES
 from dghard_cli.score.scoring import score_files
 
 SCORE_EPILOG = """
@@ -77,7 +78,11 @@ def score_cmd(
     ] = None,
     units: Annotated[
         str,
-        typer.Option("--units", help="auto (fractions if all scores are in [0, 1]), fraction or points."),
+        typer.Option(
+            "--units",
+            metavar=choices(SCALES),
+            help="auto (per benchmark: a fraction in [0, 1], points, or unbounded like a −NLL), fraction or points.",
+        ),
     ] = "auto",
     scale: Annotated[
         Optional[str], typer.Option("--scale", hidden=True, help="Deprecated name of --units.")

@@ -9,6 +9,9 @@ Built from headers only (a dry run reads nothing else). Per name in the fine-tun
 - names only in BASE -> an error, or with ``allow_missing`` the base value (``kept-base``);
 - embeddings / lm_head whose vocabulary the fine-tune resized -> the method on the shared
   rows, new rows from the fine-tune (``resized``); any other shape mismatch -> an error;
+- several fine-tunes whose vocabularies differ: allowed when fine-tune #1 added rows and each
+  other one kept BASE's rows or has exactly #1's (the shared rows are merged, the new rows are
+  #1's); otherwise an error saying why (new tokens of different vocabularies cannot be merged);
 - tied embeddings (``tie_word_embeddings``) are computed once; the tied twin is a copy
   (``tied``).
 
@@ -152,7 +155,8 @@ def matrix_eligibility(opts: PolicyOptions) -> Eligibility:
 def _out_dtype(info: TensorInfo, opts: PolicyOptions) -> str:
     if opts.out_dtype and info.dtype in FLOAT_DTYPES:
         return opts.out_dtype
-    return info.dtype
+    # a computed tensor (an adapter's W_base + ΔW, float32) defaults to the dtype BASE stores
+    return getattr(info, "output_dtype", None) or info.dtype
 
 
 def build_plan(
@@ -172,6 +176,19 @@ def build_plan(
     for k, other in enumerate(fts[1:], start=2):
         for name in ft0.tensors:
             t = other.tensors.get(name)
+            if (
+                t is not None
+                and t.shape != ft0.tensors[name].shape
+                and _vocab_rows_differ(name, base, ft0, t)
+            ):
+                _check_vocab_rows(
+                    name, base.tensors[name].shape[0], ft0.tensors[name].shape[0], t.shape[0], k
+                )
+                notes.append(
+                    f"{name}: fine-tune #{k} keeps BASE's {t.shape[0]} rows; the shared rows are merged, "
+                    "the rows fine-tune #1 added come from #1"
+                )
+                continue
             if t is None or t.shape != ft0.tensors[name].shape:
                 what = "missing" if t is None else f"shape {list(t.shape)} vs {list(ft0.tensors[name].shape)}"
                 raise InputError(
@@ -253,6 +270,39 @@ def build_plan(
     _tie(jobs, ft0, tie_embeddings, notes)
     shards, write_index = _layout(jobs, ft0, opts)
     return Plan(jobs=jobs, shards=shards, write_index=write_index, notes=notes)
+
+
+def _vocab_rows_differ(name: str, base: Checkpoint, ft0: Checkpoint, other: TensorInfo) -> bool:
+    """An embedding/lm_head whose row count differs between fine-tunes (columns equal, in BASE too)."""
+    b, f0 = base.tensors.get(name), ft0.tensors[name]
+    return (
+        b is not None
+        and is_vocab_matrix(name)
+        and len(b.shape) == len(f0.shape) == len(other.shape) == 2
+        and b.shape[1] == f0.shape[1] == other.shape[1]
+    )
+
+
+def _check_vocab_rows(name: str, base_rows: int, first_rows: int, rows: int, k: int) -> None:
+    """Fine-tunes with different vocabulary sizes: the rows shared with BASE are merged and the
+    rows beyond BASE come from fine-tune #1, so #1 must be the one that added rows and every
+    other fine-tune must have BASE's rows (or exactly #1's: then #1's new rows win)."""
+    if rows == base_rows and first_rows > base_rows:
+        return
+    if rows > base_rows and first_rows == base_rows:
+        raise InputError(
+            f"tensor {name!r}: fine-tune #{k} adds rows ({base_rows} -> {rows}) and fine-tune #1 does not; "
+            f"list #{k} first: the rows beyond BASE and the output's config and tokenizer come from fine-tune #1"
+        )
+    if rows > base_rows and first_rows > base_rows:
+        raise InputError(
+            f"tensor {name!r}: fine-tunes #1 and #{k} both add rows beyond BASE's {base_rows} ({first_rows} vs "
+            f"{rows}); new tokens of different vocabularies cannot be merged: resize them to one vocabulary first"
+        )
+    raise InputError(
+        f"tensor {name!r}: fine-tune #1 has {first_rows} rows, #{k} {rows}, BASE {base_rows}; fine-tunes may "
+        "differ only in rows that fine-tune #1 added beyond BASE (the others keeping BASE's rows)"
+    )
 
 
 def _tie(jobs: list[TensorJob], ft0: Checkpoint, tie: bool | None, notes: list[str]) -> None:

@@ -93,3 +93,10 @@ class Progress:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def notice(message: str, *, warning: bool = False) -> None:
+    """One line on stderr about the run (a resumed run, a warning about the inputs): plain
+    text, so it reads the same on a terminal and in a log."""
+    prefix = "dghard: warning: " if warning else "[dghard] "
+    print(prefix + " ".join(message.split()), file=sys.stderr, flush=True)

@@ -17,19 +17,28 @@ from pathlib import Path
 
 import torch
 
+from dghard_cli.engine import input_checks
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp, base_record
 from dghard_cli.engine.pipeline import EngineOptions, execute
 from dghard_cli.engine.plan import Plan
-from dghard_cli.engine.progress import Progress
+from dghard_cli.engine.progress import Progress, notice
 from dghard_cli.engine.working_memory import check_jobs
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint, path_exists
-from dghard_cli.io.output import INDEX_NAME, OutputStage, check_free_space, check_out_path, list_side_files
+from dghard_cli.io.output import (
+    INDEX_NAME,
+    OutputStage,
+    check_free_space,
+    check_out_path,
+    list_side_files,
+    read_side_text,
+)
 from dghard_cli.io.paths import RESERVED_NAMES, Output, check_outputs, check_shard_names
 from dghard_cli.io.verify import verify_dir
 from dghard_cli.report import build as report_mod
+from dghard_cli.report import model_card
 
 REPORT_NAME = "dghard_report.json"
 
@@ -50,6 +59,12 @@ class RunOptions:
     #: The output path the report names, when OUT is a staging place the caller moves into
     #: place itself (a sweep's candidates); None: OUT.
     report_out: str | None = None
+    #: Print warnings about the inputs and the resume line on stderr; None: unless ``quiet``.
+    notices: bool | None = None
+
+    @property
+    def show_notices(self) -> bool:
+        return (not self.quiet) if self.notices is None else self.notices
 
 
 def fingerprint(command: str, method: str, parameters: dict, plan: Plan, inputs: list[Checkpoint]) -> str:
@@ -129,7 +144,9 @@ def write_model(
     check_jobs(plan.jobs, method=method, spectral=spectral, device=device)
     where = fts[0].path / (fts[0].index_file or "")
     check_shard_names(plan.shards, f"FT {where}" if fts[0].index_file else f"FT {fts[0].path}")
-    side = list_side_files(fts[0].path, set(fts[0].shards), fts[0].roots)
+    # an adapter FT (io.adapter_source) takes BASE's config and tokenizer, then its own tokenizer
+    side_sources = getattr(fts[0], "side_file_sources", lambda: [(fts[0].path, set(fts[0].shards))])()
+    side = [entry for d, skip in side_sources for entry in list_side_files(d, skip)]
     if run.report_path is not None:
         writes = (RESERVED_NAMES | set(plan.shards) | {n for n, _ in side}) - {REPORT_NAME}
         check_outputs(
@@ -143,6 +160,10 @@ def write_model(
             ],
         )
 
+    input_warnings, swap_ruled_out = input_checks.before_run(base, fts, plan)
+    if run.show_notices:
+        for w in input_warnings:
+            notice(w, warning=True)
     common = dict(
         command=command,
         argv=run.argv,
@@ -163,15 +184,22 @@ def write_model(
             **common,
         )
         doc["summary"]["dry_run"] = True
+        doc["summary"]["warnings"][:0] = input_warnings
         return doc
 
     check_free_space(out, plan.out_bytes + sum(size for _, size in side))
     fp = fingerprint(command, method, parameters, plan, [base, *fts])
     stage = OutputStage(out, fp, resume=run.resume)
+    resumed_tensors = sum(len(plan.shards[s]) for s in stage.done)
+    if stage.done and run.show_notices:
+        notice(
+            f"resuming: {resumed_tensors} of {len(plan.jobs)} tensors already written "
+            f"({len(stage.done)} of {len(plan.shards)} shards, verified), continuing"
+        )
     progress = Progress(plan.out_bytes, len(plan.jobs), label=f"{command} {method}", quiet=run.quiet)
     if stage.done:
         done_bytes = sum(j.out_nbytes for j in plan.jobs if j.shard in stage.done)
-        progress.advance(done_bytes, sum(len(plan.shards[s]) for s in stage.done))
+        progress.advance(done_bytes, resumed_tensors)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
@@ -227,9 +255,10 @@ def write_model(
                 INDEX_NAME,
                 {"metadata": {"total_size": plan.out_bytes}, "weight_map": dict(sorted(weight_map.items()))},
             )
-        copied = stage.copy_side_files(fts[0].path, set(fts[0].shards), fts[0].roots)
+        copied = sorted({n for d, skip in side_sources for n in stage.copy_side_files(d, skip)})
     except OSError as exc:
         raise _io_failure(exc, stage, "copying the fine-tune's side files") from None
+    their_card, card_why = read_side_text(fts[0].path, "README.md")
     expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
     verify_dir(stage.dir, expected=expected)
     timings["verify"] = time.perf_counter() - t1
@@ -241,9 +270,17 @@ def write_model(
         "bytes": plan.out_bytes,
         "index": plan.write_index,
         "copied_files": copied,
+        "resumed": bool(stage.resumed),
+        "resumed_tensors": resumed_tensors,
         "resumed_shards": stage.resumed,
         "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
     }
+    if not swap_ruled_out:
+        swapped = input_checks.weights_swap(records, len(fts))
+        if run.show_notices:
+            for w in swapped:
+                notice(w, warning=True)
+        input_warnings += swapped
     extra = extra_report(records) if extra_report else None
     doc = report_mod.build_report(
         output=output,
@@ -253,12 +290,16 @@ def write_model(
         extra=extra,
         **common,
     )
+    doc["summary"]["warnings"][:0] = input_warnings
+    card, doc["output"]["model_card"] = model_card.compose(
+        report_mod.model_card(doc), their_card, base.source, card_why
+    )
     try:
         if rel_report is not None:
             target = stage.dir / rel_report
             target.parent.mkdir(parents=True, exist_ok=True)
             target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        stage.write_text("README.md", report_mod.model_card(doc))
+        stage.write_text("README.md", card)
     except OSError as exc:
         raise _io_failure(exc, stage, "writing the report and model card") from None
     try:

@@ -7,6 +7,7 @@ honoured. Pickle weights are never downloaded.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -51,13 +52,40 @@ def resolve_dir(spec: str, *, revision: str | None = None, label: str = "checkpo
     try:
         local = snapshot_download(spec, revision=revision, allow_patterns=HUB_PATTERNS)
     except Exception as exc:  # network, auth, offline cache miss: all user-facing
+        if hub_offline():
+            at = f" at revision {revision}" if revision else ""
+            raise InputError(
+                f"{label} {spec}: not a local directory, and the local Hub cache ({hub_cache()}) "
+                f"does not hold it{at}; HF_HUB_OFFLINE is set, so nothing is downloaded",
+                hint="check the id and --revision, download it once with network access and "
+                "HF_HUB_OFFLINE unset, or point HF_HUB_CACHE at the cache that holds it",
+            ) from None
         kind = type(exc).__name__
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else kind
         raise InputError(
             f"{label} {spec}: not a local directory and the Hub download failed ({kind}: {first})",
-            hint="check the id and --revision, or set HF_HUB_OFFLINE=1 to use the local cache",
+            hint="check the id, --revision and the network, and HF_TOKEN for a private model; "
+            "without a network, set HF_HUB_OFFLINE=1 to use the local cache",
         ) from None
     return Path(local)
+
+
+def hub_offline() -> bool:
+    """huggingface_hub's offline mode, read from the environment as it reads it
+    (``HF_HUB_OFFLINE``, else ``TRANSFORMERS_OFFLINE``; 1, ON, YES or TRUE)."""
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE")
+    return value is not None and value.strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def hub_cache() -> str:
+    """The Hub cache directory huggingface_hub uses (``HF_HUB_CACHE``, else under ``HF_HOME``)."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    try:
+        from huggingface_hub import constants
+    except ImportError:  # pragma: no cover - huggingface_hub is a dependency
+        return "~/.cache/huggingface/hub"
+    return str(constants.HF_HUB_CACHE)
 
 
 def open_checkpoint(spec: str, *, revision: str | None = None, label: str = "checkpoint") -> Checkpoint:

@@ -30,9 +30,15 @@ PICKLE_HINT = (
 )
 
 
-#: Keys of PEFT's LoraConfig and PeftConfig across releases (unknown keys are reported, not refused).
+#: Keys of PEFT's LoraConfig and PeftConfig across releases (unknown keys are reported, not refused):
+#: every field of ``peft.LoraConfig`` in PEFT 0.21.2 (tests/test_lora_peft.py checks the installed
+#: PEFT against this list), plus keys earlier releases wrote (``merge_weights``, ``enable_lora``:
+#: PEFT 0.2).
 KNOWN_KEYS = frozenset(
     {
+        "kasa_config",
+        "merge_weights",
+        "enable_lora",
         "peft_type",
         "task_type",
         "inference_mode",

@@ -33,8 +33,33 @@ INDEX_NAME = "model.safetensors.index.json"
 #: Files copied from the fine-tune next to the weights (configs, tokenizer, chat template).
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
 SIDE_FILE_SKIP = {"dghard_report.json", "sweep_report.json", "README.md"}
+#: Largest side file read as text (the fine-tune's README.md); side files copied are copied in full.
+SIDE_FILE_MAX = 64 * 1024 * 1024
 #: Room left free on OUT's filesystem beyond the bytes to write (metadata, journal, reports).
 FREE_SPACE_MARGIN = 64 * 1024 * 1024
+
+
+def read_side_text(directory: Path, name: str) -> tuple[str | None, str | None]:
+    """``(text, None)`` of the UTF-8 side file ``name`` of an input directory (the fine-tune's
+    model card), read through :mod:`dghard_cli.io.files`: a regular file inside the input's
+    roots, at most :data:`SIDE_FILE_MAX` bytes; ``(None, why)`` when it is absent or may not be
+    read (a link out of the input, a FIFO, a directory: never read, the run goes on)."""
+    path = Path(directory) / name
+    try:
+        if not os.path.lexists(path):
+            return None, "absent"
+    except OSError:
+        return None, "absent"
+    try:
+        data = files.read_bytes(path, what=name, limit=SIDE_FILE_MAX, roots=files.input_roots(directory))
+    except InputError:
+        return None, (
+            f"not read: not a regular file inside {directory}, or larger than {SIDE_FILE_MAX} bytes"
+        )
+    try:
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:
+        return None, "not read: not UTF-8 text"
 
 
 def staging_dir(out: Path) -> Path:
@@ -99,7 +124,10 @@ def list_side_files(
     Each is checked as every input is (:func:`dghard_cli.io.files.check_input_file`): a symlink
     out of the checkpoint, a FIFO, a device or a directory under a side file's name is an
     InputError, before anything is written. Sizes are unlimited: side files are copied in full.
+    ``roots`` None: the directory's own (:func:`dghard_cli.io.files.input_roots`).
     """
+    if roots is None:
+        roots = files.input_roots(source_dir)
     out = []
     try:
         entries = sorted(Path(source_dir).iterdir())
@@ -307,6 +335,7 @@ class OutputStage:
         """Copy the fine-tune's config, generation config, tokenizer and chat template files,
         each in full, through the file-access layer (OSError while writing propagates)."""
         copied = []
+        roots = roots if roots is not None else files.input_roots(source_dir)
         for name, _ in list_side_files(source_dir, weight_names, roots):
             dest = self.dir / name
             dest.unlink(missing_ok=True)  # a resumed run may have copied it already

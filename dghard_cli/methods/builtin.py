@@ -11,7 +11,9 @@ from collections.abc import Callable
 from typing import Any
 
 from dghard_cli.errors import InputError
+from dghard_cli.methods import recall as R
 from dghard_cli.methods.declare import (
+    BOOL,
     INT,
     MAPPING,
     NUMBER,
@@ -21,6 +23,7 @@ from dghard_cli.methods.declare import (
     MergeMethod,
     Param,
     SubOption,
+    boolean,
     finite,
     in_range,
 )
@@ -43,11 +46,18 @@ def _check_weights(value: Any, method: MergeMethod, n_fts: int) -> list[float]:
     return w
 
 
-def _check_density(value: Any, method: MergeMethod, n_fts: int) -> float:
-    d = finite("density", value)
-    if not 0.0 < d <= 1.0:
-        raise InputError(f"--density is the fraction of each delta kept and must be in (0, 1], got {d}")
-    return d
+def _check_density(value: Any, method: MergeMethod, n_fts: int) -> float | list[float]:
+    """One density, or one per fine-tune (a mergekit recipe's per-model densities; None: the
+    method's default); a list of equal values is that value."""
+    default = method.defaults.get("density", _DENSITY_DEFAULT.get(method.name))
+    values = value if isinstance(value, (list, tuple)) else [value]
+    ds = [default if x is None else finite("density", x) for x in values]
+    if isinstance(value, (list, tuple)) and len(ds) != n_fts:
+        raise InputError(f"--density has {len(ds)} value(s) but {n_fts} fine-tune(s) were given")
+    for d in ds:
+        if not 0.0 < d <= 1.0:
+            raise InputError(f"--density is the fraction of each delta kept and must be in (0, 1], got {d}")
+    return ds[0] if all(d == ds[0] for d in ds) else ds
 
 
 def _check_seed(value: Any, method: MergeMethod, n_fts: int) -> int:
@@ -56,7 +66,7 @@ def _check_seed(value: Any, method: MergeMethod, n_fts: int) -> int:
     return value
 
 
-def _nonnegative_weights(method: str, w: list[float]) -> None:
+def nonnegative_weights(method: str, w: list[float]) -> None:
     """A disjoint mean (TIES' election) needs weights >= 0, one of them > 0."""
     if any(x < 0 for x in w):
         raise InputError(
@@ -99,6 +109,7 @@ def _describe_calib(value: Any) -> dict:
 
 
 _SCALE_RANGE = (0.25, 16.0)
+_DENSITY_DEFAULT = {"ties": 0.2, "dare-linear": 0.5, "dare-ties": 0.5}
 
 
 _LAMBDA_RANGE = (0.0, 2.0)
@@ -135,7 +146,7 @@ BUILTIN_PARAMS: tuple[Param, ...] = (
         "density",
         NUMBER,
         "ties/dare: fraction of each delta kept (default ties 0.2, dare 0.5).",
-        default={"ties": 0.2, "dare-linear": 0.5, "dare-ties": 0.5},
+        default=_DENSITY_DEFAULT,
         check=_check_density,
         attr="density",
         sweep_range=(0.01, 1.0),
@@ -176,17 +187,28 @@ BUILTIN_PARAMS: tuple[Param, ...] = (
         describe=_describe_recall,
         build=_build_recall,
         sub=(
-            SubOption("kernel", "string", "recall: linear-cka (default), rbf-cka or cosine."),
+            SubOption("kernel", "string", "recall: linear-cka (default), rbf-cka or cosine.", R.KERNELS),
             SubOption(
                 "pooling",
                 "string",
                 "recall: token (every token a row; default) or mean (one row per sample).",
+                R.POOLINGS,
             ),
             SubOption("temperature", NUMBER, "recall: softmax temperature (default 0.05)."),
             SubOption("samples", INT, "recall: number of typical samples (default 8)."),
-            SubOption("select", "string", "recall: kmeans (typical samples; default) or first."),
+            SubOption(
+                "select", "string", "recall: kmeans (typical samples; default) or first.", R.SELECTIONS
+            ),
             SubOption("max_tokens", INT, "recall: tokens per sample (default 64)."),
         ),
+    ),
+    Param(
+        "normalize",
+        BOOL,
+        "ties, dare-ties, breadcrumbs-ties, della: disjoint mean (normalize) or sum "
+        "(default: mean, breadcrumbs-ties: sum — mergekit's defaults).",
+        default=True,
+        check=boolean("normalize"),
     ),
 )
 
@@ -209,7 +231,9 @@ def _ties_op(p: dict, ctx: BuildContext):
     from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TiesKernel, merged_numel
 
     return ElementwiseMergeOp(
-        lambda job: TiesKernel(p["weights"], p["lambda"], p["density"], merged_numel(job)),
+        lambda job: TiesKernel(
+            p["weights"], p["lambda"], p["density"], merged_numel(job), normalize=p["normalize"]
+        ),
         ctx.device,
         ctx.block_bytes,
         ctx.options.whole_bytes,
@@ -222,7 +246,14 @@ def _dare_op(ties: bool) -> Callable[[dict, BuildContext], Any]:
 
         return ElementwiseMergeOp(
             lambda job: DareKernel(
-                p["weights"], p["lambda"], p["density"], p["seed"], job.name, merged_numel(job), ties=ties
+                p["weights"],
+                p["lambda"],
+                p["density"],
+                p["seed"],
+                job.name,
+                merged_numel(job),
+                ties=ties,
+                normalize=p.get("normalize", True),  # dare-linear: no election
             ),
             ctx.device,
             ctx.block_bytes,
@@ -268,7 +299,7 @@ def merged_entries(rec: dict) -> int:
     return math.prod(shape)
 
 
-def _kept_summary(conflicts: bool) -> Callable[[list[dict], dict], dict]:
+def kept_summary(conflicts: bool) -> Callable[[list[dict], dict], dict]:
     """TIES/DARE: the share of each delta kept (and TIES' sign conflicts)."""
 
     def summary(rows: list[dict], p: dict) -> dict:
@@ -306,10 +337,10 @@ BUILTIN_METHODS: tuple[MergeMethod, ...] = (
     ),
     MergeMethod(
         "ties",
-        (*_SUM, "density"),
+        (*_SUM, "density", "normalize"),
         _ties_op,
-        summary=_kept_summary(conflicts=True),
-        check_weights=_nonnegative_weights,
+        summary=kept_summary(conflicts=True),
+        check_weights=nonnegative_weights,
         sweep_axes=("density", "lambda"),
         sweep_fixed=("weights", "density", "lambda"),
     ),
@@ -318,16 +349,16 @@ BUILTIN_METHODS: tuple[MergeMethod, ...] = (
         (*_SUM, "density", "seed"),
         _dare_op(ties=False),
         aliases=("dare",),
-        summary=_kept_summary(conflicts=False),
+        summary=kept_summary(conflicts=False),
         sweep_axes=("density", "lambda"),
         sweep_fixed=("weights", "density", "lambda", "seed"),
     ),
     MergeMethod(
         "dare-ties",
-        (*_SUM, "density", "seed"),
+        (*_SUM, "density", "seed", "normalize"),
         _dare_op(ties=True),
-        summary=_kept_summary(conflicts=True),
-        check_weights=_nonnegative_weights,
+        summary=kept_summary(conflicts=True),
+        check_weights=nonnegative_weights,
         sweep_axes=("density", "lambda"),
         sweep_fixed=("weights", "density", "lambda", "seed"),
     ),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from dghard_cli.errors import InputError
@@ -15,6 +15,7 @@ from dghard_cli.errors import InputError
 NUMBER, INT, WEIGHTS, PATH, MAPPING = "number", "integer", "weights", "path", "mapping"
 #: A layer-strength schedule (text on the command line; text, a list or a mapping in a recipe).
 SCHEDULE = "schedule"
+BOOL = "boolean"  # a switch: ``--NAME/--no-NAME`` on the command line, true/false in a recipe
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,7 @@ class SubOption:
     name: str
     kind: str  # "number" | "integer" | "string"
     help: str
+    choices: tuple[str, ...] = ()  # the values a "string" key takes (the help lists them)
 
 
 @dataclass(frozen=True)
@@ -31,7 +33,7 @@ class Param:
     """One merge parameter, as every surface sees it."""
 
     name: str  # report ``parameters`` key, recipe key, sweep axis/fixed key
-    kind: str  # NUMBER | INT | WEIGHTS | PATH | MAPPING | SCHEDULE
+    kind: str  # NUMBER | INT | WEIGHTS | PATH | MAPPING | SCHEDULE | BOOL
     help: str  # command-line help text
     default: Any = None  # the value when not given, or {method: value}
     check: Callable[[Any, MergeMethod, int], Any] | None = None  # validate (InputError) and normalise
@@ -94,6 +96,11 @@ class MergeMethod:
     sweep_axes: tuple[str, ...] = ()  # parameters a sweep family may sweep (first: default); () = none
     sweep_fixed: tuple[str, ...] = ()  # parameters a sweep family may fix
     calibrates: bool = False  # runs models before merging (RECALL): OUT is checked first
+    #: this method's own defaults of shared parameters (breadcrumbs: density 0.9), over ``Param.default``
+    defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    min_fine_tunes: int = 1  # model stock: at least 2
+    #: checks across the resolved parameters (della: epsilon against density); InputError
+    check_params: Callable[[dict, int], None] | None = None
 
     @property
     def all_params(self) -> tuple[str, ...]:
@@ -104,6 +111,17 @@ def finite(name: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise InputError(f"--{name} must be a finite number, got {value!r}")
     return float(value)
+
+
+def boolean(name: str, flag: str | None = None) -> Callable[[Any, MergeMethod, int], bool]:
+    """True or false."""
+
+    def check(value: Any, method: MergeMethod, n_fts: int) -> bool:
+        if not isinstance(value, bool):
+            raise InputError(f"{flag or '--' + name} must be true or false, got {value!r}")
+        return value
+
+    return check
 
 
 def in_range(lo: float, hi: float, name: str, what: str = "") -> Callable[[Any, MergeMethod, int], float]:

@@ -50,6 +50,7 @@ class DeltaSpectrum:
     route: str = ROUTE
     sigma_bound: float = 0.0  # absolute error bound of the singular values (0: float64 route)
     delta: torch.Tensor | None = None  # the float64 tall-form delta, kept when it was one block
+    dot_base: float = 0.0  # ⟨Δ, W_base⟩ (float64): how much of Δ points along the base weights
 
 
 def delta_blocks(src: JobInputs, rows: int, cols: int, device: torch.device, block_bytes: int, ft: int = 0):
@@ -71,6 +72,22 @@ def delta_blocks(src: JobInputs, rows: int, cols: int, device: torch.device, blo
         for c0 in range(0, cols, step):
             c1 = min(c0 + step, cols)
             yield (c0, c1), base[:, c0:c1], fine[:, c0:c1]
+
+
+def _dot64(x: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 20) -> torch.Tensor:
+    """⟨x, b⟩ in float64 for a float64 ``x`` and a ``b`` of any float dtype and the same 2-D
+    shape, in row chunks so the float64 copy of ``b`` stays small (a whole one would double a
+    block's memory)."""
+    step = max(1, chunk_elems // max(1, x.shape[1]))
+    total = torch.zeros((), dtype=torch.float64, device=x.device)
+    for r0 in range(0, x.shape[0], step):
+        xs = x[r0 : r0 + step]
+        total += (
+            torch.sum(xs * b[r0 : r0 + step].to(torch.float64))
+            if not xs.is_contiguous()
+            else torch.dot(xs.reshape(-1), b[r0 : r0 + step].to(torch.float64).reshape(-1))
+        )
+    return total
 
 
 def default_block_bytes(device: torch.device) -> int:
@@ -110,6 +127,7 @@ def delta_spectrum(
     g = torch.zeros((small, small), dtype=torch.float64, device=device)
     sumsq_ft = torch.zeros((), dtype=torch.float64, device=device)
     fro2_t = torch.zeros((), dtype=torch.float64, device=device)
+    dot_t = torch.zeros((), dtype=torch.float64, device=device)
     r: torch.Tensor | None = None
     nblocks = 0
     for _, b, f in delta_blocks(src, rows, cols, device, block_bytes, ft):
@@ -117,6 +135,7 @@ def delta_spectrum(
         x = f.to(torch.float64)
         sumsq_ft += torch.linalg.vector_norm(x) ** 2
         x = x.sub_(b)  # exact: the difference of two float32-representable values
+        dot_t += _dot64(x, b)
         if not tall:
             x = x.T
         if gram:
@@ -136,14 +155,18 @@ def delta_spectrum(
     if gram:
         fro2 = float(torch.trace(g))
         spectrum = spectrum_from_gram(g, shape) if fro2 > 0.0 else None
-        return DeltaSpectrum(spectrum=spectrum, fro2=fro2, rms_ft=rms_ft, shape=shape, delta=kept)
+        return DeltaSpectrum(
+            spectrum=spectrum, fro2=fro2, rms_ft=rms_ft, shape=shape, delta=kept, dot_base=float(dot_t)
+        )
     fro2 = float(fro2_t)
     if fro2 == 0.0 or r is None:
         return DeltaSpectrum(spectrum=None, fro2=0.0, rms_ft=rms_ft, shape=shape, route=ROUTE_QR32)
     slow_fp64 = device.type == "cuda" and choose_route(device) == "qr32"
     eigh_device = torch.device("cpu") if slow_fp64 else device
     spectrum, bound = spectrum_from_r(r, shape, fro2, eigh_device, device)
-    return DeltaSpectrum(spectrum, fro2, rms_ft, shape, route=ROUTE_QR32, sigma_bound=bound, delta=kept)
+    return DeltaSpectrum(
+        spectrum, fro2, rms_ft, shape, route=ROUTE_QR32, sigma_bound=bound, delta=kept, dot_base=float(dot_t)
+    )
 
 
 class SpectralFilterOp:
@@ -185,6 +208,7 @@ class SpectralFilterOp:
             yield from passthrough(job, src, rec)
             return
         rec["delta_norm"] = math.sqrt(max(ds.fro2, 0.0))
+        rec["delta_dot_base"] = ds.dot_base
         if dec.kind == UNCHANGED:
             rec["action"], rec["reason"] = "kept-ft", "unchanged"
             yield from passthrough(job, src, rec)

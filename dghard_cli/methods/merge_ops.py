@@ -4,9 +4,12 @@ An elementwise merge (WiSE-FT, task arithmetic, TIES, DARE, DARE-TIES, RECALL) i
 that maps the fine-tunes' delta blocks to the merged delta block; :class:`ElementwiseMergeOp`
 reads BASE and every fine-tune in row blocks (all inputs streamed together, tensor by tensor),
 forms Δ_i = W_i − W_base in the work dtype, applies the kernel and yields ``W_base + merged``
-in the output dtype. TIES needs each delta whole to select its top-k: tensors up to
-``WHOLE_BYTES`` of work copies are processed whole (select and trim in one pass); larger ones
-are selected on the whole delta first, then trimmed row block by row block.
+in the output dtype. TIES needs each delta's top-k: tensors up to ``WHOLE_BYTES`` of work
+copies are processed whole (select and trim in one pass); larger ones get the same exact
+selection from statistics passes over their row blocks (:mod:`dghard_cli.methods.topk_stream`),
+then are trimmed block by block, so memory stays a few blocks whatever the tensor's size.
+Kernels that need other whole-tensor statistics first (SLERP's norms, Model Stock's cosines)
+use the same statistics passes.
 
 Work dtype: float32 (float64 when an input is stored in float64). The difference of two
 bf16/fp16 numbers is exact in float32; that of two float32 numbers is rounded once, and TIES'
@@ -31,12 +34,24 @@ from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.methods import ties as T
 from dghard_cli.methods.dare import DareStream
 from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
+from dghard_cli.methods.topk_stream import StreamingTopK
 from dghard_cli.methods.wise_ft import wise_ft_delta
 
+#: ``exact(i, positions) -> float64 |W_i − W_base|`` at flat positions of the current block.
+BlockExact = Callable[[int, torch.Tensor], torch.Tensor]
+
 BLOCK_BYTES = 64 * 1024 * 1024
+
+
+def per_ft(value: float | Sequence[float], n: int) -> list[float]:
+    """One value per fine-tune from one value (the same for all) or a list of them."""
+    return [float(v) for v in value] if isinstance(value, (list, tuple)) else [float(value)] * n
+
+
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
-#: fit in this; larger tensors select on the whole delta, then trim row block by row block.
-WHOLE_BYTES = 256 * 1024 * 1024
+#: fit in this; larger tensors are selected by statistics passes over row blocks, then trimmed
+#: block by block (peak memory: a few blocks, not a few copies of the tensor).
+WHOLE_BYTES = 64 * 1024 * 1024
 #: Elements read at once when TIES ranks the entries tied at its threshold by exact magnitude.
 EXACT_SPAN = 1 << 22
 
@@ -87,12 +102,35 @@ def row_blocks(job: TensorJob, block_bytes: int, itemsize: int) -> list[tuple[in
 
 
 class Kernel:
-    """Maps the fine-tunes' delta blocks (row-major order) to the merged delta block."""
+    """Maps the fine-tunes' delta blocks (row-major order) to the merged delta block.
 
-    needs_whole = False
+    A kernel that needs statistics of whole tensors first (a top-k threshold, a norm, a
+    cosine) asks for *statistics passes*: while :meth:`pending`, the operation feeds it every
+    row block of BASE and the fine-tunes (:meth:`observe`, then :meth:`end_pass`), holding one
+    block at a time; then the output pass calls :meth:`combine` on each block.
+    """
 
-    def prepare(self, i: int, base: torch.Tensor, ft: torch.Tensor) -> None:  # pragma: no cover
-        """See the whole W_base and W_i once before the blocks (TIES: select Δ_i's top-k)."""
+    needs_whole = False  # TIES: processes tensors up to ``whole_bytes`` whole, in one pass
+    #: blocks must hold whole rows (per-row statistics): a row longer than a block is then not
+    #: split into pieces of the flattened tensor (a 1×N matrix is read whole)
+    needs_rows = False
+
+    def begin(self, dtype: torch.dtype, *, whole: bool) -> None:
+        """Called once before any pass: the work dtype, and whether the tensor is one block."""
+
+    def pending(self) -> bool:
+        """Does the kernel need (another) statistics pass over the blocks?"""
+        return False
+
+    def observe(self, base: torch.Tensor, fts: list[torch.Tensor]) -> None:  # pragma: no cover
+        """One block of a statistics pass: W_base and every W_i, in the work dtype."""
+
+    def end_pass(self) -> None:  # pragma: no cover - interface
+        """The statistics pass is over."""
+
+    def combine(self, base: torch.Tensor, deltas: list[torch.Tensor], exact: BlockExact) -> torch.Tensor:
+        """The merged delta of one block (``exact(i, positions)``: |W_i − W_base| in float64)."""
+        return self.block(deltas)
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
@@ -120,14 +158,15 @@ class TaskArithmeticKernel(Kernel):
 class _Election:
     """Sign election + disjoint mean over blocks, counting conflicts for the report."""
 
-    def __init__(self, weights: Sequence[float], lam: float) -> None:
+    def __init__(self, weights: Sequence[float], lam: float, *, normalize: bool = True) -> None:
         self.weights, self.lam = list(weights), lam
+        self.normalize = normalize
         self.counts: dict = {}
         self.numel = 0
 
     def __call__(self, trimmed: list[torch.Tensor]) -> torch.Tensor:
         self.numel += trimmed[0].numel()
-        return T.ties_delta(trimmed, self.weights, self.lam, self.counts)
+        return T.ties_delta(trimmed, self.weights, self.lam, self.counts, normalize=self.normalize)
 
     def stats(self) -> dict:
         conflicts = self.counts.get("sign_conflicts", 0)
@@ -138,60 +177,78 @@ class _Election:
 
 
 class TiesKernel(Kernel):
-    """TIES. Whole tensors (the usual case): one pass per delta selects and trims in place.
-    Tensors in row blocks: :meth:`prepare` selects on the whole delta, :meth:`block` trims."""
+    """TIES. Whole tensors (up to ``whole_bytes`` of work copies): one pass per delta selects
+    and trims in place. Larger tensors: the exact top-k of each delta is found by statistics
+    passes over the row blocks (:class:`~dghard_cli.methods.topk_stream.StreamingTopK`, the
+    same selection as the whole-tensor one), then each block is trimmed and elected."""
 
     needs_whole = True
 
-    def __init__(self, weights: Sequence[float], lam: float, density: float, numel: int) -> None:
+    def __init__(
+        self,
+        weights: Sequence[float],
+        lam: float,
+        density: float | Sequence[float],
+        numel: int,
+        *,
+        normalize: bool = True,
+    ) -> None:
         self.n = len(weights)
-        self.k = T.keep_count(numel, density)
+        self.k = [T.keep_count(numel, d) for d in per_ft(density, self.n)]  # per fine-tune
         self.numel = numel
         self.sel: list[T.TopK | None] = [None] * self.n
-        self.masks: list[T.TopKMask | None] = [None] * self.n
-        self.election = _Election(weights, lam)
+        self.streams: list[StreamingTopK] | None = None
+        self.election = _Election(weights, lam, normalize=normalize)
 
-    @staticmethod
-    def _exact(base: torch.Tensor, ft: torch.Tensor) -> T.ExactMagnitudes:
-        b, f = base.reshape(-1), ft.reshape(-1)
+    def begin(self, dtype: torch.dtype, *, whole: bool) -> None:
+        if not whole:
+            self.streams = [StreamingTopK(self.numel, k, dtype) for k in self.k]
 
-        def exact(pos: torch.Tensor) -> torch.Tensor:
-            p = pos.to(b.device)
-            return (f[p].to(torch.float64) - b[p].to(torch.float64)).abs()
+    def pending(self) -> bool:
+        return self.streams is not None and any(s.pending for s in self.streams)
 
-        return exact
+    def observe(self, base: torch.Tensor, fts: list[torch.Tensor]) -> None:
+        assert self.streams is not None
+        b = base.reshape(-1)
+        for s, ft in zip(self.streams, fts, strict=True):
+            if s.pending:
+                f = ft.reshape(-1)
+                s.observe(
+                    torch.sub(f, b).abs_(),
+                    lambda pos, f=f: (f[pos].double() - b[pos].double()).abs(),
+                    owned=True,
+                )
 
-    def prepare(self, i: int, base: torch.Tensor, ft: torch.Tensor) -> None:
-        self.sel[i] = T.select_topk((ft - base).abs_(), self.k, self._exact(base, ft))
-        self.masks[i] = T.TopKMask(self.sel[i])
-
-    def prepare_magnitude(self, i: int, magnitude: torch.Tensor, exact: T.ExactMagnitudes) -> None:
-        """As :meth:`prepare`, from |Δ_i| already formed (block by block) and its exact values."""
-        self.sel[i] = T.select_topk(magnitude, self.k, exact)
-        self.masks[i] = T.TopKMask(self.sel[i])
+    def end_pass(self) -> None:
+        assert self.streams is not None
+        for s in self.streams:
+            if s.pending:
+                s.end_pass()
 
     def trim_whole(self, i: int, delta: torch.Tensor, exact: T.ExactMagnitudes) -> None:
         """Select and trim a whole Δ_i in place (``exact``: its unrounded magnitudes)."""
         mag = delta.abs()
-        sel = T.select_topk(mag, self.k, exact)
+        sel = T.select_topk(mag, self.k[i], exact)
         self.sel[i] = sel
         delta.masked_fill_(~T.selection_mask(mag, sel), 0)
 
-    def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        for m, d in zip(self.masks, deltas, strict=True):
-            if m is not None:  # row blocks: trim with the whole-tensor selection
-                d.masked_fill_(~m(d.abs()), 0)
+    def combine(self, base: torch.Tensor, deltas: list[torch.Tensor], exact: BlockExact) -> torch.Tensor:
+        if self.streams is not None:  # row blocks: trim with the streamed selection
+            for i, (s, d) in enumerate(zip(self.streams, deltas, strict=True)):
+                d.masked_fill_(~s.mask(d.abs(), lambda pos, i=i: exact(i, pos)), 0)
         return self.election(deltas)
 
     def stats(self) -> dict:
-        kept = [
-            (m.kept if m is not None else (s.kept if s else 0))
-            for m, s in zip(self.masks, self.sel, strict=True)
-        ]
+        if self.streams is not None:
+            kept = [s.kept for s in self.streams]
+            threshold = [s.threshold if s.k else None for s in self.streams]
+        else:
+            kept = [s.kept if s else 0 for s in self.sel]
+            threshold = [float(s.threshold) if s and s.k else None for s in self.sel]
         return {
             "kept": kept,
             "kept_fraction": [k / self.numel if self.numel else 0.0 for k in kept],
-            "threshold": [float(s.threshold) if s and s.k else None for s in self.sel],
+            "threshold": threshold,
             **self.election.stats(),
         }
 
@@ -203,17 +260,19 @@ class DareKernel(Kernel):
         self,
         weights: Sequence[float],
         lam: float,
-        density: float,
+        density: float | Sequence[float],
         seed: int,
         name: str,
         numel: int,
         *,
         ties: bool,
+        normalize: bool = True,
     ) -> None:
         self.weights, self.lam = list(weights), lam
-        self.streams = [DareStream(seed, name, i, density, numel) for i in range(len(weights))]
+        ds = per_ft(density, len(self.weights))
+        self.streams = [DareStream(seed, name, i, d, numel) for i, d in enumerate(ds)]
         self.numel = numel
-        self.election = _Election(weights, lam) if ties else None
+        self.election = _Election(weights, lam, normalize=normalize) if ties else None
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
         dropped = [s(d) for s, d in zip(self.streams, deltas, strict=True)]
@@ -300,6 +359,18 @@ class ElementwiseMergeOp:
 
         return exact
 
+    def _block_exact(
+        self, job: TensorJob, src: JobInputs, rows, b: torch.Tensor, wd: torch.dtype
+    ) -> BlockExact:
+        """|W_i − W_base| in float64 at flat positions of this block (re-reads W_i's block)."""
+        bf = b.reshape(-1)
+
+        def exact(i: int, pos: torch.Tensor) -> torch.Tensor:
+            f = self._read(job, src, f"ft{i}", rows, wd).reshape(-1)
+            return (f[pos].to(torch.float64) - bf[pos].to(torch.float64)).abs()
+
+        return exact
+
     def __call__(self, job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
         wd = work_dtype(job)
         n = len(job.fts)
@@ -310,24 +381,20 @@ class ElementwiseMergeOp:
         blocks: list = [None] if whole else row_blocks(job, self.block_bytes, per_entry)
         if job.shared_rows is not None and whole:
             blocks = [(0, job.shared_rows)]
-        spans = None if whole else flat_blocks(job, self.block_bytes, per_entry)
-        if spans is not None:  # 1×N, long vectors: pieces of the flattened tensor
-            blocks = [Span(a, b) for a, b in spans]
-        if kernel.needs_whole and not whole:
-            assert isinstance(kernel, TiesKernel)
-            numel = merged_numel(job)
-            # |Δ_i| whole (TIES selects on it), formed piece by piece: one tensor-sized buffer
-            pieces = [Span(a, b) for a, b in spans] if spans is not None else None
-            for i in range(n):
-                mag = torch.empty(numel, dtype=wd, device=self.device)
-                for piece in pieces or _row_spans(job, self.block_bytes, itemsize * 3):
-                    lo, hi = (piece.start, piece.stop) if isinstance(piece, Span) else _flat(job, piece)
-                    b = self._read(job, src, "base", piece, wd)
-                    mag[lo:hi] = torch.sub(self._read(job, src, f"ft{i}", piece, wd), b).abs_().reshape(-1)
-                    del b
-                kernel.prepare_magnitude(i, mag, self._exact(job, src, i))
-                del mag
+        if not whole and not kernel.needs_rows:
+            spans = flat_blocks(job, self.block_bytes, per_entry)
+            if spans is not None:  # 1×N, long vectors: pieces of the flattened tensor
+                blocks = [Span(a, b) for a, b in spans]
+        kernel.begin(wd, whole=whole)
+        while kernel.pending():  # statistics passes (TIES' top-k, SLERP's norms, ...): one block at a time
+            for rows in blocks:
+                kernel.observe(
+                    self._read(job, src, "base", rows, wd),
+                    [self._read(job, src, f"ft{i}", rows, wd) for i in range(n)],
+                )
+            kernel.end_pass()
         sumsq = [0.0] * n
+        dots = [0.0] * n  # ⟨Δ_i, W_base⟩
         merged_sq = 0.0
         for rows in blocks:
             b = self._read(job, src, "base", rows, wd)
@@ -339,11 +406,12 @@ class ElementwiseMergeOp:
                 if not math.isfinite(sq):
                     raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
                 sumsq[i] += sq
+                dots[i] += float(torch.dot(d.reshape(-1), b.reshape(-1))) if d.numel() else 0.0
                 if whole:
                     assert isinstance(kernel, TiesKernel)
                     kernel.trim_whole(i, d, self._exact(job, src, i))
                 deltas.append(d)
-            merged = kernel.block(deltas)
+            merged = kernel.combine(b, deltas, self._block_exact(job, src, rows, b, wd))
             del deltas
             msq = squared_norm(merged)
             if not math.isfinite(msq):
@@ -360,6 +428,8 @@ class ElementwiseMergeOp:
             yield cast_out(src.ft(0, (job.shared_rows, job.shape[0])), job.out_dtype)
         rec["delta_norms"] = [math.sqrt(s) for s in sumsq]
         rec["delta_norm"] = rec["delta_norms"][0]
+        rec["delta_dot_bases"] = dots
+        rec["delta_dot_base"] = dots[0]
         rec["merged_delta_norm"] = math.sqrt(merged_sq)
         rec.update(kernel.stats())
 
@@ -377,19 +447,3 @@ class Span(tuple):
     @property
     def stop(self) -> int:
         return self[1]
-
-
-def _row_spans(job: TensorJob, block_bytes: int, per_entry: int) -> list[tuple[int, int]]:
-    """Row ranges covering the merged rows (the whole of a 0-/1-D tensor as one range)."""
-    rows = merged_rows(job)
-    if rows is None:
-        return [Span(0, merged_numel(job))]
-    row_elems = max(1, math.prod(job.shape[1:]))
-    step = max(1, block_bytes // (row_elems * per_entry))
-    return [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
-
-
-def _flat(job: TensorJob, rows: tuple[int, int]) -> tuple[int, int]:
-    """The flat element range of a row range."""
-    row_elems = max(1, math.prod(job.shape[1:]))
-    return rows[0] * row_elems, rows[1] * row_elems

@@ -12,6 +12,10 @@ A recipe holds the same things as the command line (see the README for the forma
     lambda: 1.0
     out: ../out/ties
 
+A mergekit recipe (a ``merge_method`` key) is translated first by
+:func:`dghard_cli.methods.mergekit_recipe.translate`; its relative model paths are resolved
+against the current directory, as mergekit resolves them, and OUT comes from ``--out``.
+
 Read with ``yaml.safe_load`` only. Every key is checked (unknown key, wrong type, missing
 ``method``/``base``/``models``) with a one-line error naming the recipe. Relative paths
 (models, ``out``, ``calib``, ``report``) are resolved against the recipe's directory; a model
@@ -30,6 +34,7 @@ from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.hub import is_hub_id
 from dghard_cli.io.limits import parse_yaml
 from dghard_cli.methods import registry
+from dghard_cli.methods.mergekit_recipe import TensorParameters, is_mergekit, translate, varies
 
 MAX_RECIPE_BYTES = 1024 * 1024
 
@@ -47,7 +52,7 @@ POLICY_KEYS: dict[str, str] = {
     "device": STR,
     "report": STR,
 }
-MODEL_KEYS = {"model": STR, "weight": NUMBER, "revision": STR}
+MODEL_KEYS = {"model": STR, "weight": NUMBER, "density": NUMBER, "revision": STR}
 
 
 def top_keys() -> dict[str, str]:
@@ -61,6 +66,7 @@ class ModelRef:
     spec: str
     weight: float | None = None
     revision: str | None = None
+    density: float | None = None  # this fine-tune's density (else the recipe's)
 
 
 @dataclass
@@ -71,6 +77,8 @@ class Recipe:
     models: list[ModelRef]
     values: dict = field(default_factory=dict)  # every other top-level key given
     maps: dict = field(default_factory=dict)  # mapping parameters (``recall:``) by name
+    mergekit: bool = False  # translated from a mergekit recipe
+    tensor_parameters: TensorParameters | None = None  # its gradients/filters/slice, per tensor
 
     @property
     def recall(self) -> dict:
@@ -81,6 +89,14 @@ class Recipe:
         if all(m.weight is None for m in self.models):
             return None
         return [1.0 if m.weight is None else m.weight for m in self.models]
+
+    @property
+    def densities(self) -> list[float | None] | None:
+        """One density per fine-tune when a model sets its own (the others: the recipe's, or None)."""
+        if all(m.density is None for m in self.models):
+            return None
+        top = self.values.get("density")
+        return [top if m.density is None else m.density for m in self.models]
 
 
 def _type_ok(value: object, kind: str) -> bool:
@@ -134,9 +150,12 @@ def _model(entry: object, where: str, root: Path) -> ModelRef:
     _check_mapping(entry, MODEL_KEYS, where)
     if "model" not in entry:
         raise InputError(f"{where}: missing 'model' (the checkpoint directory or Hub id)")
-    w = entry.get("weight")
+    w, d = entry.get("weight"), entry.get("density")
     return ModelRef(
-        _resolve_model(entry["model"], root), None if w is None else float(w), entry.get("revision")
+        _resolve_model(entry["model"], root),
+        None if w is None else float(w),
+        entry.get("revision"),
+        None if d is None else float(d),
     )
 
 
@@ -180,14 +199,23 @@ def load_recipe(path: str | Path) -> Recipe:
     doc = read_yaml_file(path, where, MAX_RECIPE_BYTES)
     if not isinstance(doc, dict):
         raise InputError(f"{where}: must be a YAML mapping of keys (method, base, models, ...)")
+    root = path.parent
+    mergekit = is_mergekit(doc)
+    per_tensor = None
+    if mergekit:
+        where = f"mergekit recipe {path}"
+        if varies(doc) or "slices" in doc:
+            per_tensor = TensorParameters(doc, where)
+        doc = translate(doc, where)
+        root = Path.cwd()  # mergekit resolves local model paths against the current directory
     _check_mapping(doc, top_keys(), where)
     for key in ("method", "base", "models"):
         if key not in doc:
             raise InputError(f"{where}: missing {key!r}")
-    root = path.parent
     base = _model(doc["base"], f"{where}: base", root)
-    if base.weight is not None:
-        raise InputError(f"{where}: base: 'weight' applies to the fine-tunes under 'models', not to base")
+    if base.weight is not None or base.density is not None:
+        key = "weight" if base.weight is not None else "density"
+        raise InputError(f"{where}: base: '{key}' applies to the fine-tunes under 'models', not to base")
     models_doc = doc["models"]
     if not isinstance(models_doc, list) or not models_doc:
         raise InputError(f"{where}: 'models' must be a non-empty list of fine-tuned checkpoints")
@@ -209,4 +237,13 @@ def load_recipe(path: str | Path) -> Recipe:
     for key in ("include", "exclude"):
         if isinstance(values.get(key), str):
             values[key] = [values[key]]
-    return Recipe(path=path, method=doc["method"], base=base, models=models, values=values, maps=maps)
+    return Recipe(
+        path=path,
+        method=doc["method"],
+        base=base,
+        models=models,
+        values=values,
+        maps=maps,
+        mergekit=mergekit,
+        tensor_parameters=per_tensor,
+    )

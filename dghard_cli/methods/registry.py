@@ -48,6 +48,7 @@ from typing import Any
 from dghard_cli.errors import InputError
 from dghard_cli.methods.builtin import BUILTIN_METHODS, BUILTIN_PARAMS
 from dghard_cli.methods.declare import (  # noqa: F401 - what a method module imports from here
+    BOOL,
     COMMON,
     INT,
     MAPPING,
@@ -59,6 +60,7 @@ from dghard_cli.methods.declare import (  # noqa: F401 - what a method module im
     MergeMethod,
     Param,
     SubOption,
+    boolean,
     finite,
     in_range,
 )
@@ -170,15 +172,21 @@ def resolve(opts: Any, n_fts: int) -> dict:
         raise InputError(
             f"--method {method.name} interpolates BASE and one fine-tune; got {n_fts} fine-tunes"
         )
+    if n_fts < method.min_fine_tunes:
+        raise InputError(
+            f"--method {method.name} needs at least {method.min_fine_tunes} fine-tunes; got {n_fts}"
+        )
     out: dict = {"method": method.name}
     for name in takes:
         param = params()[name]
         value = given_value(opts, param)
         if value is None:
-            value = param.default_for(method.name)
+            value = method.defaults[name] if name in method.defaults else param.default_for(method.name)
         if param.check is not None:
             value = param.check(value, method, n_fts)
         out.update(param.describe(value) if param.describe is not None else {name: value})
+    if method.check_params is not None:
+        method.check_params(out, n_fts)
     return out
 
 
@@ -193,7 +201,14 @@ def scalar_params() -> list[Param]:
 
 def recipe_keys() -> dict[str, str]:
     """Top-level recipe keys of the method parameters and their kinds, in order."""
-    kinds = {NUMBER: "number", INT: "integer", PATH: "string", MAPPING: "mapping", SCHEDULE: "schedule"}
+    kinds = {
+        NUMBER: "number",
+        INT: "integer",
+        PATH: "string",
+        MAPPING: "mapping",
+        SCHEDULE: "schedule",
+        BOOL: "boolean",
+    }
     return {p.name: kinds[p.kind] for p in params().values() if p.recipe}
 
 

@@ -49,9 +49,11 @@ class SpectralMergeOp:
         projectors: list[Projector | None] = []
         per_ft: list[dict] = []
         norms: list[float] = []
+        dots: list[float] = []
         for i, info in enumerate(job.fts):
             ds = delta_spectrum(job, src, dev, self.block_bytes, ft=i)
             norms.append(math.sqrt(max(ds.fro2, 0.0)))
+            dots.append(ds.dot_base)
             dec = decide(ds.spectrum, self.spec, ft_dtype=info.dtype, rms_ft=ds.rms_ft)
             shape = ds.shape
             if dec.kind == UNCHANGED:
@@ -74,6 +76,8 @@ class SpectralMergeOp:
             per_ft.append(entry)
         rec["delta_norms"] = norms
         rec["delta_norm"] = norms[0]
+        rec["delta_dot_bases"] = dots
+        rec["delta_dot_base"] = dots[0]
         rec["ranks"] = [e["rank_kept"] for e in per_ft]
         rec["spectral"] = per_ft
         rec["route"] = ROUTE

@@ -182,12 +182,15 @@ def disjoint_mean(
     weights: Sequence[float],
     sign: torch.Tensor,
     stats: dict | None = None,
+    *,
+    normalize: bool = True,
 ) -> torch.Tensor:
     """``Σ_i w_i·t_i·[agree_i] / Σ_i w_i·[agree_i]`` per entry, 0 where nothing agrees.
 
     ``agree_i``: ``t_i`` is non-zero with the elected sign (weights must be ≥ 0; a zero weight
     never agrees). With ``stats``, adds ``sign_conflicts``: entries where a non-zero entry of a
-    weighted delta has the other sign.
+    weighted delta has the other sign. ``normalize=False``: the disjoint *sum*
+    ``Σ_i w_i·t_i·[agree_i]`` (mergekit's ``normalize: false``).
     """
     if any(w < 0 for w in weights):
         raise ValueError("disjoint_mean takes weights >= 0")
@@ -212,9 +215,11 @@ def disjoint_mean(
             den.add_(agree, alpha=w)
     if num is None or den is None:  # every weight is zero
         return torch.zeros_like(sign)
-    den.masked_fill_(den == 0, 1)  # nothing agrees: num is 0 there
     if stats is not None and conflict is not None:
         stats["sign_conflicts"] = stats.get("sign_conflicts", 0) + int(torch.count_nonzero(conflict))
+    if not normalize:
+        return num.mul_(sign)
+    den.masked_fill_(den == 0, 1)  # nothing agrees: num is 0 there
     return num.div_(den).mul_(sign)
 
 
@@ -229,11 +234,16 @@ def sign_conflicts(trimmed: Sequence[torch.Tensor]) -> int:
 
 
 def ties_delta(
-    trimmed: Sequence[torch.Tensor], weights: Sequence[float], lam: float, stats: dict | None = None
+    trimmed: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    lam: float,
+    stats: dict | None = None,
+    *,
+    normalize: bool = True,
 ) -> torch.Tensor:
-    """Sign election and disjoint mean of already trimmed (or DARE-dropped) deltas, times λ."""
+    """Sign election and disjoint mean (or sum) of already trimmed (or DARE-dropped) deltas, times λ."""
     sign = elect_sign(trimmed, weights)
-    out = disjoint_mean(trimmed, weights, sign, stats)
+    out = disjoint_mean(trimmed, weights, sign, stats, normalize=normalize)
     if lam != 1.0:
         out.mul_(lam)
     return out

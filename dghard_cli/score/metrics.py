@@ -9,6 +9,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from dghard_cli import __version__
 from dghard_cli.errors import InputError
+from dghard_cli.score import scales
 from dghard_cli.score.results import ResultFile, Score, ScoreLike, _is_number
 
 SCHEMA_VERSION = 1
@@ -100,6 +101,8 @@ def score_candidates(
     dup = next((n for n in names if names.count(n) > 1), None)
     if dup is not None:
         raise InputError(f"candidate name {dup!r} given twice; name them with --candidate NAME=PATH")
+    base, ft, *others = scales.reconcile([base, ft, *(r for _, r in cand_list)])
+    cand_list = [(n, r) for (n, _), r in zip(cand_list, others, strict=True)]
     b = _scores(base, "base")
     f = _scores(ft, "ft")
     base_label, ft_label = _label(base, "base"), _label(ft, "ft")
@@ -126,12 +129,14 @@ def score_candidates(
     for k, sb in b.items():
         sf = f[k]
         se = combined_stderr(sb.stderr, sf.stderr)
+        unit = scales.unit_of(base, k)
+        floor = scales.margin_floor(unit, sb.value, sf.value, min_margin)
         if margin is not None:
             m, rule = margin, "fixed"
         elif se is not None:
-            m, rule = max(min_margin, stderr_factor * se), "stderr"
+            m, rule = max(floor, stderr_factor * se), "stderr"
         else:
-            m, rule = min_margin, "floor"
+            m, rule = floor, "floor"
         change = sf.value - sb.value
         if k in target_list:
             part = "target"
@@ -158,12 +163,19 @@ def score_candidates(
                 "margin_rule": rule,
                 "ft_change": change,
                 "partition": part,
+                "unit": unit,
             }
         )
     counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
-    if counts["damaged"] == 0:
+    if counts["damaged"] == 0 and counts["improved"] == 0:
+        warnings.append(
+            "no damaged and no improved benchmarks (outside the targets, the fine-tune moved none by "
+            "more than its margin): "
+            "% repair, % retention and HM are undefined"
+        )
+    elif counts["damaged"] == 0:
         warnings.append("no damaged benchmarks: % repair is undefined and HM is the % retention alone")
-    if counts["improved"] == 0:
+    elif counts["improved"] == 0:
         warnings.append("no improved benchmarks: % retention is undefined and HM is the % repair alone")
 
     cands = []
@@ -195,7 +207,8 @@ def score_candidates(
                 ret.append(val)
             elif part == "unchanged":
                 val = cv - bv
-                unch.append(val)
+                if bm["unit"] != scales.UNBOUNDED:  # the mean is in points
+                    unch.append(val)
             else:
                 val = (cv - bv) / (fv - bv) * 100.0 if fv != bv else None
                 tgt[k] = val
@@ -258,6 +271,9 @@ def score_candidates(
         "best": order[0],
         "warnings": warnings,
     }
+    others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
+    doc["units_assumed"] = scales.describe(base, others, min_margin)
+    warnings += scales.notes(base, others)
     if fail_under is not None:
         doc["gate"] = gate(doc, fail_under)
     return doc

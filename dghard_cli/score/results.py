@@ -1,5 +1,6 @@
 """Reading evaluation results: lm-evaluation-harness output or a plain ``{"benchmark": score}``
-JSON, put on one scale, **points** (0–100), with the metric chosen per task."""
+JSON, put on one scale, **points** (0–100; unbounded scores such as a −NLL stay in their own
+units, see :mod:`dghard_cli.score.scales`), with the metric chosen per task."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from typing import NamedTuple, Union
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists, read_json_file
 from dghard_cli.io.files import RESULTS_LIMIT, realpath, walk_files
+from dghard_cli.score import scales
 
 #: Metric names that represent a task, most preferred first.
 METRIC_PRIORITY = ("acc_norm", "acc", "exact_match", "pass@1", "pass_at_1", "mc2", "f1", "em")
@@ -50,9 +52,14 @@ class ResultFile:
     scores: dict[str, Score]
     metrics: dict[str, str] = field(default_factory=dict)  # task -> key used (lm-eval)
     warnings: list[str] = field(default_factory=list)
+    #: --units auto: each benchmark's unit (score.scales); empty when --units forced one
+    units: dict[str, str] = field(default_factory=dict)
+    raw: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # as the file has them
 
     def describe(self) -> dict:
         d: dict = {"path": self.source, "format": self.format, "scale": self.scale}
+        if self.scale == "mixed":
+            d["units"] = dict(self.units)
         if self.metrics:
             d["metrics"] = dict(self.metrics)
         return d
@@ -248,18 +255,22 @@ def _tasks_to_score(doc: Mapping, subtasks: bool) -> list[str]:
     return list(out)
 
 
-def _apply_scale(raw: dict[str, tuple[float, float | None]], scale: str, source: str) -> tuple[str, dict]:
+def _apply_scale(
+    raw: dict[str, tuple[float, float | None]], scale: str, source: str
+) -> tuple[str, dict, dict[str, str]]:
+    """(the file's unit, its scores in points, each benchmark's unit under auto)."""
     if scale not in SCALES:
         raise InputError(f"--units {scale!r} is not one of {', '.join(SCALES)}")
-    values = [v for v, _ in raw.values()] + [s for _, s in raw.values() if s is not None]
     if scale == "auto":
-        scale = "fraction" if all(0.0 <= v <= 1.0 for v in values) else "points"
+        units = scales.auto_units(raw)
+        pts = scales.to_points(raw, units)
+        return scales.file_unit(units), {t: Score(v, s) for t, (v, s) in pts.items()}, units
     if scale == "fraction":
         bad = [(t, v) for t, (v, _) in raw.items() if not 0.0 <= v <= 1.0]
         if bad:
             raise InputError(f"{source}: --units fraction but {bad[0][0]!r} is {bad[0][1]:g}, not in [0, 1]")
-        return scale, {t: Score(100.0 * v, None if s is None else 100.0 * s) for t, (v, s) in raw.items()}
-    return scale, {t: Score(v, s) for t, (v, s) in raw.items()}
+        return scale, {t: Score(100.0 * v, None if s is None else 100.0 * s) for t, (v, s) in raw.items()}, {}
+    return scale, {t: Score(v, s) for t, (v, s) in raw.items()}, {}
 
 
 def read_results(
@@ -321,8 +332,8 @@ def _read_plain(doc: dict, source: str, scale: str) -> ResultFile:
         raw[str(name)] = (v, se)
     if not raw:
         raise InputError(f"{source}: no benchmark scores in this file")
-    used, scores = _apply_scale(raw, scale, source)
-    return ResultFile(source=source, format="plain", scale=used, scores=scores)
+    used, scores, units = _apply_scale(raw, scale, source)
+    return ResultFile(source=source, format="plain", scale=used, scores=scores, units=units, raw=raw)
 
 
 def _read_lm_eval(
@@ -377,7 +388,14 @@ def _read_lm_eval(
             _matches(k, rule.default) for t, k in metrics.items() if t not in rule.per_task
         ):
             raise InputError(f"{source}: --metric {rule.default!r} matches no task in this file")
-    used, scores = _apply_scale(raw, scale, source)
+    used, scores, units = _apply_scale(raw, scale, source)
     return ResultFile(
-        source=source, format="lm-eval", scale=used, scores=scores, metrics=metrics, warnings=warnings
+        source=source,
+        format="lm-eval",
+        scale=used,
+        scores=scores,
+        metrics=metrics,
+        warnings=warnings,
+        units=units,
+        raw=raw,
     )

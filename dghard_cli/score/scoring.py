@@ -3,9 +3,10 @@
 Inputs are lm-evaluation-harness result files (or the directories it writes them into) or a
 plain ``{"benchmark": score}`` JSON. Every score is put on one scale, **points** (0–100):
 
-- fractions: a file whose chosen scores (and standard errors) all lie in [0, 1] is read as
-  fractions and multiplied by 100; otherwise its numbers are already points. ``scale=`` forces
-  ``fraction`` or ``points`` for a file where the guess would be wrong.
+- units (:mod:`dghard_cli.score.scales`): under ``auto`` each benchmark of each file is a
+  fraction (in [0, 1]: ×100), points, or unbounded (below 0 or above 100, a −NLL: kept in its
+  own units, margin floor relative to its size), made consistent across files. ``scale=``
+  forces ``fraction`` or ``points`` for every benchmark of a file.
 
 Which metric represents an lm-evaluation-harness task (keys ``name,filter`` such as
 ``acc,none`` with ``name_stderr,filter`` siblings):
@@ -106,13 +107,6 @@ def score_files(
     doc = score_candidates(b, f, cands, targets=targets, margin=margin, fail_under=fail_under)
     files = [b, f, *(rf for _, rf in cands)]
     warnings = [w for rf in files for w in rf.warnings]
-    scales = {rf.scale for rf in files}
-    if len(scales) > 1:
-        warnings.append(
-            "files were read on different scales ("
-            + ", ".join(f"{Path(rf.source).name}: {rf.scale}" for rf in files)
-            + "); pass --scale if a guess is wrong"
-        )
     doc["warnings"] = warnings + doc["warnings"]
     doc["inputs"] = {
         "base": b.describe(),

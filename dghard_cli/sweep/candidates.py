@@ -33,6 +33,7 @@ import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
@@ -276,14 +277,38 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
     )
 
 
-def reproduce_argv(cand: Candidate, base: str, fts: list[str], out: str, device: str) -> list[str]:
-    """The one ``dghard repair``/``dghard merge`` command line that writes this candidate."""
+#: The printed reproduction command writes to OUT + this (OUT itself holds the winner).
+REPRODUCED_SUFFIX = "-reproduced"
+
+
+def reproduced_out(out: str) -> str:
+    """Where the printed reproduction command writes: beside OUT (which holds the winner)."""
+    return (out.rstrip("/") or out) + REPRODUCED_SUFFIX
+
+
+def degenerate_on_adapters(entry: FamilyEntry) -> bool:
+    """A family whose cut needs the unknown-noise threshold, undefined on a LoRA update."""
+    if entry.family == "dg-hard":
+        return True
+    if entry.family == "lines":  # the schedule alone is exact on any update; over a cut it is not
+        return "shrink" in entry.fixed
+    return (
+        entry.kind.command == "repair" and "sigma" not in entry.fixed and entry.fixed.get("noise") != "known"
+    )
+
+
+def reproduce_argv(
+    cand: Candidate, base: str, fts: list[str], out: str, device: str, *, merge_adapters: bool = False
+) -> list[str]:
+    """The one ``dghard repair``/``dghard merge`` command line that writes this candidate
+    (``merge_adapters``: the fine-tunes are LoRA adapters, written as the full merged checkpoint)."""
     if cand.family == "lines":
         from dghard_cli.sweep import lines
 
-        return lines.reproduce_argv(cand, base, fts[0], out, device)
+        return lines.reproduce_argv(cand, base, fts[0], out, device) + (["--merge"] if merge_adapters else [])
     p = cand.param_dict
     dev = ["--device", device] if device != "auto" else []
+    dev = (["--merge"] if merge_adapters else []) + dev
     if cand.command == "repair":
         argv = ["dghard", "repair", base, fts[0], out, "--shrink", p["shrink"], "--scale", _fmt(p["scale"])]
         if p["shrink"] == "twoknob":
@@ -311,6 +336,7 @@ def write_candidate(
     device: str,
     argv: list[str],
     report_out: str | None = None,
+    merge_adapters: bool = False,
 ) -> dict:
     """Write ``cand`` into ``out`` with the command's own library function; returns its report.
 
@@ -323,6 +349,7 @@ def write_candidate(
         return lines.write_candidate(cand, base, fts[0], out, device=device, argv=argv, report_out=report_out)
     p = cand.param_dict
     run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
+    lora = LoraOutputOptions(merge=merge_adapters)
     if cand.command == "repair":
         spec = ShrinkSpec(
             shrink=p["shrink"],
@@ -332,6 +359,6 @@ def write_candidate(
             a=p.get("a", 1.0),
             b=p.get("b", 0.0),
         )
-        return repair(base, fts[0], out, RepairOptions(spec=spec, run=run))
+        return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
     kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
-    return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, **kwargs))
+    return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, lora=lora, **kwargs))

@@ -16,23 +16,21 @@ FRONTIER_PNG = "sweep_frontier.png"
 class SweepReport:
     """How a finished sweep writes its report and plot (a part of ``run._Sweep``)."""
 
-    def plot(self, final: Path, winner: dict | None) -> str | None:
+    def plot(self, final: Path, winner: dict | None) -> tuple[str | None, str | None]:
+        """(the plot's file name in OUT, None) or (None, why there is none)."""
+        missing = "matplotlib is not installed (pip install 'dghard[plot]')"
         try:
             from dghard_cli.sweep.plot import frontier_png
         except ImportError:
-            return None
+            return None, missing
         try:
             png = frontier_png(self.rows, winner, self.ref_scores)
         except ImportError:
-            self.warnings.append("no frontier plot: matplotlib is not installed (pip install 'dghard[plot]')")
-            return None
+            return None, missing
         if png is None:
-            self.warnings.append(
-                "no frontier plot: % repair or % retention is undefined (no damaged or no improved benchmarks)"
-            )
-            return None
+            return None, "% repair or % retention is undefined (no damaged or no improved benchmarks)"
         (final / FRONTIER_PNG).write_bytes(png)
-        return FRONTIER_PNG
+        return FRONTIER_PNG, None
 
     def report(self, winner: dict | None, reason: str | None, regenerated: bool) -> dict:
         o = self.opts

@@ -41,6 +41,7 @@ from pathlib import Path
 
 from dghard_cli import __version__
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
+from dghard_cli.io.adapter_source import is_adapter, open_ft
 from dghard_cli.io.atomic import swap_dir_into_place
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
@@ -52,7 +53,13 @@ from dghard_cli.score.results import MetricRule, ResultFile, Score
 from dghard_cli.sweep import integrity
 from dghard_cli.sweep.cache import Cache, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidate_file import check_entry, load_candidates, parse_candidates
-from dghard_cli.sweep.candidates import Candidate, FamilyEntry
+from dghard_cli.sweep.candidates import (  # noqa: F401 (where the reproduction command writes)
+    REPRODUCED_SUFFIX,
+    Candidate,
+    FamilyEntry,
+    degenerate_on_adapters,
+    reproduced_out,
+)
 from dghard_cli.sweep.choose import choose_winner, objective, target_ok
 from dghard_cli.sweep.evaluate import check_template
 from dghard_cli.sweep.lines import bind_entries as bind_lines
@@ -170,7 +177,10 @@ class _Sweep(EvaluationSteps, SweepReport):
         self.base_ck = open_checkpoint(self.base_spec, label="BASE")
         self.ft_cks: list[Checkpoint] = []
         for i, spec in enumerate(self.ft_specs):
-            self.ft_cks.append(open_checkpoint(spec, label="FT" if i == 0 else f"--merge-ft {spec}"))
+            label = "FT" if i == 0 else f"--merge-ft {spec}"
+            self.ft_cks.append(open_ft(spec, base=self.base_ck, label=label))
+        # LoRA adapters are evaluated, and candidates written, as full merged checkpoints
+        self.adapters = any(is_adapter(f) for f in self.ft_cks)
         check_out_path(
             self.out, [self.base_ck.path, *[f.path for f in self.ft_cks]], overwrite=self.opts.overwrite
         )
@@ -183,7 +193,15 @@ class _Sweep(EvaluationSteps, SweepReport):
         self.active: list[FamilyEntry] = []
         self.skipped: list[dict] = []
         for e in self.entries:
-            if e.applies(n):
+            if self.adapters and degenerate_on_adapters(e):
+                self.skipped.append(
+                    {
+                        **e.describe(),
+                        "skipped": "a LoRA adapter's update has only r non-zero singular values, so the "
+                        "unknown-noise cut is undefined on it (SPEC §4)",
+                    }
+                )
+            elif e.applies(n):
                 check_entry(e, n, f"{self.candidates_source}: families[{e.index}] ({e.family})")
                 self.active.append(e)
             else:
@@ -312,10 +330,12 @@ class _Sweep(EvaluationSteps, SweepReport):
             final.mkdir()
         doc = self.report(winner, reason, regenerated)
         doc["output"]["checkpoint_bytes"] = dir_bytes(final)
-        plot = None
-        if self.opts.plot:
-            plot = self.plot(final, winner)
+        plot, skipped = self.plot(final, winner) if self.opts.plot else (None, "not asked for (plot=False)")
         doc["plot"] = plot
+        if skipped is not None:
+            doc["plot_skipped"] = skipped
+            if self.opts.plot:
+                doc["warnings"].append(f"no frontier plot: {skipped}")
         write_json(final / SWEEP_REPORT, doc)
         self.move_into_place(final)
         shutil.rmtree(self.stage, ignore_errors=True)

@@ -11,15 +11,20 @@ import time
 from pathlib import Path
 
 from dghard_cli import __version__
+from dghard_cli.engine.adapter_run import LoraOutputOptions
+from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
+from dghard_cli.io.adapter_source import is_adapter
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.files import read_json, realpath
+from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.score.results import ResultFile, read_results
 from dghard_cli.sweep import integrity
 from dghard_cli.sweep.cache import digest, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidates import (
     Candidate,
     reproduce_argv,
+    reproduced_out,
     shell_command,
     write_candidate,
 )
@@ -53,7 +58,10 @@ class EvaluationSteps:
         if rec is None:
             self.emit(kind="evaluating", name=what)
             before = input_identity(ck)
-            rec, results = self.run_eval(ck.path.resolve(), what, fixed)
+            model = self.merged_adapter(ck) if is_adapter(ck) else ck.path.resolve()
+            rec, results = self.run_eval(model, what, fixed)
+            if is_adapter(ck):
+                shutil.rmtree(model, ignore_errors=True)
             if input_identity(ck) != before:
                 raise InputError(
                     f"the evaluation command modified {what} ({ck.path}) while evaluating it; "
@@ -90,6 +98,18 @@ class EvaluationSteps:
             benchmarks=len(rf.scores),
         )
         return rf
+
+    def merged_adapter(self, ck: Checkpoint) -> Path:
+        """A LoRA fine-tune as the full checkpoint the evaluation can load (BASE + ΔW)."""
+        target = self.stage / "adapter-merged"
+        shutil.rmtree(target, ignore_errors=True)
+        opts = MergeOptions(
+            method="task-arithmetic",
+            lora=LoraOutputOptions(merge=True),
+            run=RunOptions(device=self.opts.device, quiet=True),
+        )
+        merge(self.base_spec, [ck.source], target, opts)
+        return target.resolve()
 
     def run_eval(self, model: Path, label: str, fixed: dict | None) -> tuple[dict, Path | None]:
         """Run the evaluation command on ``model``; the cache record and the results file."""
@@ -142,7 +162,15 @@ class EvaluationSteps:
         )
 
     def reproduce(self, cand: Candidate) -> list[str]:
-        return reproduce_argv(cand, self.base_spec, self.ft_specs, self.out_arg, self.opts.device)
+        # OUT holds the winner when the sweep ends, so the command writes its copy beside it
+        return reproduce_argv(
+            cand,
+            self.base_spec,
+            self.ft_specs,
+            reproduced_out(self.out_arg),
+            self.opts.device,
+            merge_adapters=self.adapters,
+        )
 
     def write(self, cand: Candidate, key: str, target: Path) -> dict:
         shutil.rmtree(target, ignore_errors=True)
@@ -156,6 +184,7 @@ class EvaluationSteps:
             device=self.opts.device,
             argv=self.reproduce(cand),
             report_out=self.out_arg,
+            merge_adapters=self.adapters,
         )
         secs = time.perf_counter() - t0
         self.t["write"] += secs
@@ -232,7 +261,7 @@ class EvaluationSteps:
             "seconds": rec.get("seconds", {}),
             "bytes": rec.get("bytes"),
             "distance": rec.get("distance", math.inf),
-            "reproduce": {"argv": argv, "command": shell_command(argv)},
+            "reproduce": {"argv": argv, "command": shell_command(argv), "out": reproduced_out(self.out_arg)},
             "key": key,
         }
         if rec["status"] == "ok":
@@ -252,7 +281,13 @@ class EvaluationSteps:
         self.cands[key] = cand
         self.rescore()
         self.keep_or_drop(key, cached)
-        self.emit(kind="candidate", row=row, order=order, budget=self.cand_budget)
+        self.emit(
+            kind="candidate",
+            row=row,
+            order=order,
+            budget=self.cand_budget,
+            min_target_retention=self.opts.min_target_retention,
+        )
 
     def keep_or_drop(self, key: str, cached: bool) -> None:
         """Keep the candidate just written if it is the best so far, else delete it."""

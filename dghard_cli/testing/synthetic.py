@@ -194,6 +194,7 @@ class DeltaModel:
     weight_std: float = 0.02  # base weights' std
     vector_change: float = 1e-3  # std of the change of 1-D tensors
     strengths: list[float] = field(default_factory=list)  # explicit, overrides ``signal``
+    decay: float = 0.0  # weight decay: each fine-tuned matrix is (1 − decay)·W_base + signal + noise
 
 
 def _gen(seed: int, name: str) -> torch.Generator:
@@ -237,7 +238,7 @@ def ft_tensor(
         g = _gen(seed, "delta:" + name)
         return base + dm.vector_change * torch.randn(shape, generator=g, dtype=torch.float64)
     sig, noise = signal_and_noise(name, shape, seed, dm)
-    return base + sig + noise
+    return (base if dm.decay == 0.0 else (1.0 - dm.decay) * base) + sig + noise
 
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,0 +1,223 @@
+"""The exact top-k of a tensor's magnitudes, found in a few passes over its row blocks.
+
+:func:`dghard_cli.methods.ties.select_topk` needs the whole magnitude tensor at once (and a few
+temporaries of its size). :class:`StreamingTopK` finds the *same* selection while seeing the
+tensor only block by block, holding O(2^16) counters and O(block) temporaries, never a
+tensor-sized buffer:
+
+1. **Radix passes on the rounded magnitude.** The bit pattern of a non-negative IEEE number
+   orders like its value, so the k-th largest magnitude ``T`` (in the work dtype) is found 16
+   bits at a time: pass 1 counts the top 16 bits of every entry (``bincount``), which fixes
+   the top 16 bits of ``T`` and how many entries lie above that bucket; pass 2 counts the next
+   16 bits of the entries in that bucket; and so on (2 passes for float32, 4 for float64).
+   Then ``above`` (entries > T) and ``equal`` (entries == T) are known exactly, and
+   ``r = k − above`` of the equal ones must be kept.
+2. **Ties at T** (only when ``r < equal``). The order is the one :func:`select_topk` uses:
+   larger exact magnitude first (``|W_i − W_base|`` in float64, given per block by a callback),
+   then row-major position. One more pass gathers the exact magnitudes of the equal entries
+   when there are at most ``cap`` of them and picks their r-th largest ``T64``; otherwise the
+   same radix passes run on the float64 bit patterns of those entries (4 more passes). Either
+   way ``above64`` (equal entries exactly above T64) is known, and the first
+   ``r − above64`` entries equal to T with exact magnitude T64, in row-major order, complete
+   the k.
+3. **The mask** of each block in the final pass (blocks in row-major order): ``m > T``, plus
+   the equal entries whose exact magnitude is above T64, plus the first remaining ones at T64.
+
+The selection is exactly :func:`select_topk`'s: the same k entries, the same threshold.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+#: ``exact(positions) -> float64 magnitudes`` at flat positions *of the current block*.
+BlockExact = Callable[[torch.Tensor], torch.Tensor]
+
+_LEVEL_BITS = 16
+_INT_VIEW = {torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
+
+
+class _Radix:
+    """Finds the k-th largest of non-negative keys (bit patterns of floats) 16 bits per pass."""
+
+    def __init__(self, bits: int, k: int) -> None:
+        self.bits = bits
+        self.need = k  # how many of the entries matching ``prefix`` are still to be taken
+        self.above = 0  # entries known to be above the current prefix
+        self.level = 0
+        self.prefix = 0  # the top ``16·level`` bits of the k-th largest key
+        self.counts: torch.Tensor | None = None
+        self.equal = 0
+
+    @property
+    def done(self) -> bool:
+        return self.level * _LEVEL_BITS >= self.bits
+
+    def observe(self, keys: torch.Tensor, *, owned: bool = False) -> None:
+        """Count one block's keys (int32/int64, any shape) at the current level.
+
+        ``owned``: the keys' buffer is a temporary the caller gives up (shifted in place)."""
+        keys = keys.reshape(-1)
+        high = self.bits - _LEVEL_BITS * self.level
+        shift = high - _LEVEL_BITS
+        if self.level == 0:  # non-negative keys: the top 16 bits need no mask
+            digit = keys.bitwise_right_shift_(shift) if owned else keys >> shift
+        else:
+            lo, hi = self.prefix << high, (self.prefix + 1) << high
+            cand = keys[(keys >= lo) & (keys < hi)] if hi < (1 << (self.bits - 1)) else keys[keys >= lo]
+            digit = (cand >> shift) & ((1 << _LEVEL_BITS) - 1)
+        c = torch.bincount(digit, minlength=1 << _LEVEL_BITS).cpu()
+        self.counts = c if self.counts is None else self.counts + c
+
+    def end_pass(self) -> None:
+        counts = self.counts if self.counts is not None else torch.zeros(1 << _LEVEL_BITS, dtype=torch.int64)
+        at_least = torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0])  # entries in digits >= d
+        hits = torch.nonzero(at_least >= self.need).reshape(-1)
+        d = int(hits[-1]) if hits.numel() else 0  # (no hit only with non-finite input; refused later)
+        above_d = int(at_least[d + 1]) if d + 1 < at_least.numel() else 0
+        self.above += above_d
+        self.need -= above_d
+        self.prefix = (self.prefix << _LEVEL_BITS) | d
+        self.equal = int(counts[d])
+        self.level += 1
+        self.counts = None
+
+
+class StreamingTopK:
+    """The exact top-``k`` (larger magnitude first, then exact magnitude, then row-major
+    position) of a tensor of ``numel`` magnitudes in ``dtype``, seen in row blocks.
+
+    Protocol: while :attr:`pending`, call :meth:`observe` on every block in row-major order,
+    then :meth:`end_pass`; then call :meth:`mask` on every block in row-major order.
+    """
+
+    def __init__(self, numel: int, k: int, dtype: torch.dtype, cap: int = 1 << 22) -> None:
+        if dtype not in _INT_VIEW:
+            raise ValueError(f"StreamingTopK works on float32/float64 magnitudes, not {dtype}")
+        self.numel = numel
+        self.k = max(0, min(k, numel))
+        self.int_dtype, bits = _INT_VIEW[dtype]
+        self.dtype = dtype
+        self.cap = cap
+        self._value = _Radix(bits, self.k)
+        self._exact: _Radix | None = None  # radix on the exact magnitudes of the entries at T
+        self._gather: list[torch.Tensor] | None = None
+        self.stage = "value" if 0 < self.k < numel else "done"
+        self.threshold_key = 0
+        self.above = numel if self.k == numel else 0
+        self.equal = 0
+        self._r = 0  # equal entries still to keep
+        self._t64: float | None = None  # exact magnitude of the last kept entries (ties)
+        self._left = 0  # entries at (T, T64) still to keep, in row-major order
+        self.kept = 0
+        self._min = float("inf")  # k = numel: the smallest magnitude (the threshold), seen by mask()
+
+    # -- the statistics passes ---------------------------------------------------------------
+
+    @property
+    def pending(self) -> bool:
+        return self.stage != "done"
+
+    def _keys(self, mag: torch.Tensor) -> torch.Tensor:
+        return mag.reshape(-1).view(self.int_dtype)
+
+    def observe(self, mag: torch.Tensor, exact: BlockExact, *, owned: bool = False) -> None:
+        """One block of the current pass (``mag``: |Δ| in the work dtype, contiguous; ``owned``:
+        a temporary this call may overwrite)."""
+        keys = self._keys(mag)
+        if self.stage == "value":
+            self._value.observe(keys, owned=owned)
+            return
+        at_t = torch.nonzero(keys == self.threshold_key).reshape(-1)
+        if at_t.numel() == 0:
+            return
+        ex = exact(at_t).to(torch.float64)
+        if self.stage == "gather":
+            assert self._gather is not None
+            self._gather.append(ex.cpu())
+        else:  # "exact": radix on the float64 bit patterns of the exact magnitudes
+            assert self._exact is not None
+            self._exact.observe(ex.view(torch.int64), owned=True)
+
+    def end_pass(self) -> None:
+        if self.stage == "value":
+            v = self._value
+            v.end_pass()
+            if not v.done:
+                return
+            self.threshold_key = v.prefix
+            self.above, self.equal, self._r = v.above, v.equal, v.need
+            if self._r >= self.equal:  # every entry at T is kept: no tie to break
+                self._t64 = None
+                self.stage = "done"
+            elif self.equal <= self.cap:
+                self._gather = []
+                self.stage = "gather"
+            else:
+                self._exact = _Radix(64, self._r)
+                self.stage = "exact"
+            return
+        if self.stage == "gather":
+            assert self._gather is not None
+            ex = torch.cat(self._gather) if self._gather else torch.zeros(0, dtype=torch.float64)
+            self._gather = None
+            r = min(max(self._r, 1), max(ex.numel(), 1))
+            if ex.numel() == 0:  # only with non-finite input (refused later)
+                self._t64, self._left = float("inf"), 0
+            else:
+                t64 = torch.kthvalue(ex, ex.numel() - r + 1).values
+                self._t64 = float(t64)
+                self._left = r - int(torch.count_nonzero(ex > t64))
+            self.stage = "done"
+            return
+        if self.stage == "exact":
+            e = self._exact
+            assert e is not None
+            e.end_pass()
+            if e.done:
+                self._t64 = float(torch.tensor(e.prefix, dtype=torch.int64).view(torch.float64))
+                self._left = e.need
+                self.stage = "done"
+
+    # -- the selection -------------------------------------------------------------------
+
+    @property
+    def threshold(self) -> float:
+        """The k-th largest magnitude (in the work dtype); inf when k = 0."""
+        if self.k == 0:
+            return float("inf")
+        if self.k == self.numel:
+            return self._min
+        return float(torch.tensor(self.threshold_key, dtype=self.int_dtype).view(self.dtype))
+
+    def mask(self, mag: torch.Tensor, exact: BlockExact) -> torch.Tensor:
+        """The kept entries of the next block (row-major order), as a bool tensor of its shape."""
+        assert not self.pending, "the statistics passes are not finished"
+        n = mag.numel()
+        if self.k == 0:
+            return torch.zeros_like(mag, dtype=torch.bool)
+        if self.k == self.numel:
+            if n:
+                self._min = min(self._min, float(mag.min()))
+            self.kept += n
+            return torch.ones_like(mag, dtype=torch.bool)
+        keys = self._keys(mag)
+        t = torch.tensor(self.threshold_key, dtype=self.int_dtype, device=keys.device)
+        if self._t64 is None:
+            m = keys >= t
+        else:
+            m = keys > t
+            at_t = torch.nonzero(keys == t).reshape(-1)
+            if at_t.numel():
+                ex = exact(at_t).to(torch.float64).to(at_t.device)
+                keep = ex > self._t64
+                if self._left > 0:
+                    tie = torch.nonzero(ex == self._t64).reshape(-1)
+                    take = tie[: self._left]
+                    self._left -= int(take.numel())
+                    keep[take] = True
+                m[at_t[keep]] = True
+        self.kept += int(torch.count_nonzero(m))
+        return m.reshape(mag.shape)
