@@ -152,3 +152,23 @@ def test_large_updates_spill_to_disk_and_give_the_same_adapter(tmp_path, monkeyp
     name = "adapter_model.safetensors"
     assert (tmp_path / "disk" / name).read_bytes() == (tmp_path / "mem" / name).read_bytes()
     assert not list((tmp_path / "disk").glob("dghard-spool-*"))
+
+
+def test_certified_range_finder_is_exact_or_declines():
+    from dghard_cli.spectral.lowrank import factorize_certified
+
+    g = np.random.default_rng(2)
+    low = g.standard_normal((300, 6)) @ g.standard_normal((6, 40)) * np.logspace(0, -3, 40)
+
+    def blocks_of(x):
+        t = torch.from_numpy(x).to(torch.float32)
+        return lambda: (t[r : r + 64] for r in range(0, t.shape[0], 64))
+
+    fac = factorize_certified(blocks_of(low), (300, 40), 20)
+    u, s, vt = np.linalg.svd(f64(torch.from_numpy(low).to(torch.float32)))
+    assert fac is not None and fac.rank == 6
+    assert np.max(np.abs(f64(fac.left) @ f64(fac.right) - low)) < 1e-6 * np.max(np.abs(low))
+    assert np.allclose(fac.sigma[:6], s[:6], rtol=1e-6)
+    assert fac.energy_lost < 1e-12
+    noisy = low + 1e-3 * g.standard_normal((300, 40))  # full rank: no certificate at width 20
+    assert factorize_certified(blocks_of(noisy), (300, 40), 20) is None

@@ -265,10 +265,16 @@ def test_tied_adapter_follows_peft_forward(bases, tmp_path):
         target_modules=["q_proj", "embed_tokens"],
         ensure_weight_tying=True,
     )
+    (ad / "tokenizer_config.json").write_text('{"chat_template": "the fine-tune\'s"}')
+    (ad / "trainer_state.json").write_text("{}")
     out = tmp_path / "merged"
     merge(str(base), [str(ad)], str(out), merge_opts("task-arithmetic", lora=LoraOutputOptions(merge=True)))
     x = tokens()
     assert rel(logits(load("qwen2", out), x), peft_logits("qwen2", base, ad, x)) < 1e-5
+    # BASE's config, the adapter's tokenizer files, nothing else of the adapter's
+    assert (out / "config.json").read_bytes() == (base / "config.json").read_bytes()
+    assert "the fine-tune" in (out / "tokenizer_config.json").read_text()
+    assert not (out / "trainer_state.json").exists() and not (out / "adapter_config.json").exists()
 
 
 # -- adapters out: strengths are exact in adapter form --------------------------------------------------------
@@ -454,7 +460,7 @@ def test_format_peft_of_a_dg_hard_repair_gives_the_full_repairs_logits(kind, bas
     lora = {r["name"]: r for r in doc["tensors"] if r.get("written_as") == "lora"}
     for name, rec in lora.items():  # per-module rank = the kept rank
         assert rec["rank"] == ranks[name], name
-        assert rec["energy_lost"] < 1e-9
+        assert rec["energy_lost"] < 1e-9 and rec["factor_route"] == "range-finder-certified"
     cfg = json.loads((out / "adapter_config.json").read_text())
     assert cfg["modules_to_save"] and "model.norm" in cfg["modules_to_save"]  # 1-D tensors in full
     if kind == "qwen2":
@@ -601,7 +607,7 @@ def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeyp
     opts = RepairOptions(run=quiet(), lora=LoraOutputOptions(format="peft"))
     whole = tmp_path / "whole"
     repair(str(base), str(ft), str(whole), opts)
-    real, calls = adapter_run.factorize, []
+    real, calls = adapter_run.AdapterOutput._factors, []
 
     def flaky(*a, **k):
         calls.append(1)
@@ -609,12 +615,12 @@ def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeyp
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(adapter_run, "factorize", flaky)
+    monkeypatch.setattr(adapter_run.AdapterOutput, "_factors", staticmethod(flaky))
     out = tmp_path / "out"
     with pytest.raises(Interrupted, match="run the same command again"):
         repair(str(base), str(ft), str(out), opts)
     assert not out.exists() and any(tmp_path.glob(".out.dghard-partial/dghard-spool-*"))
-    monkeypatch.setattr(adapter_run, "factorize", real)
+    monkeypatch.setattr(adapter_run.AdapterOutput, "_factors", staticmethod(real))
     doc = repair(str(base), str(ft), str(out), opts)
     assert doc["output"]["resumed_units"] >= 5
     name = "adapter_model.safetensors"

@@ -66,7 +66,7 @@ from dghard_cli.io.peft_writer import (
 )
 from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.report import build as report_mod
-from dghard_cli.spectral.lowrank import Factors, factorize, factorize_product, factors_from_gram, gram_add
+from dghard_cli.spectral.lowrank import factorize_certified, factorize_product, factors_from_gram, gram_add
 
 FORMATS = ("auto", "full", "peft")
 #: Methods whose update is not low-rank for full fine-tunes: ``--format peft`` needs ``--rank``.
@@ -582,7 +582,6 @@ class AdapterOutput:
         tall = lora_able and shape[0] >= shape[1]
         value = None if lora_able else torch.empty(shape, dtype=out_dt)
         store = _DeltaStore(self._stage.dir, shape, spill=tall and math.prod(shape) * 4 > SPILL_BYTES)
-        gram = torch.zeros((shape[1], shape[1]), dtype=torch.float64, device=device) if tall else None
         nonzero, finite, r0 = False, True, 0
         try:
             for blk in blocks:
@@ -606,8 +605,6 @@ class AdapterOutput:
                 del t, b
                 nonzero = nonzero or bool(torch.any(d32 != 0))
                 finite = finite and bool(torch.isfinite(d32).all())
-                if gram is not None and finite:
-                    gram_add(gram, d32)
                 store.append(d32)
                 if rows is not None:
                     r0 = rows[1]
@@ -620,11 +617,11 @@ class AdapterOutput:
             if lora_able and finite:
                 module = rec["module"]
                 cap = self.lora.rank if self.lora.rank is not None else caps.get(module)
-                if gram is not None:
-                    fac: Factors = factors_from_gram(gram, shape, store.blocks, cap)
-                else:
-                    fac = factorize(store.whole(), cap, device=device)
-                del gram
+                kept = rec.get("low_rank") if rec.get("reason") == "low-rank" else rec.get("rank_kept")
+                hint = kept or cap or 16
+                fac = self._factors(store, shape, cap, int(hint), device)
+                rec["factor_route"] = fac[1]
+                fac = fac[0]
                 m, n = shape
                 if fac.rank and (fac.rank * (m + n) < m * n or cap is not None):
                     embedding = bool(VOCAB_EMBEDDING.search(job.name))
@@ -658,6 +655,36 @@ class AdapterOutput:
             return rec, {"value": value}
         finally:
             store.close()
+
+    @staticmethod
+    def _factors(store: _DeltaStore, shape: tuple[int, int], cap: int | None, hint: int, device) -> tuple:
+        """Exact factors of a stored update: the certified two-pass route when no rank limit
+        applies and the update is low-rank (DG-Hard's result, adapters), else the exact SVD from
+        the float64 Gram matrix (truncated to ``cap``)."""
+        m, n = shape
+        tall = m >= n
+        if tall:
+            blocks = store.blocks
+        else:
+            x = store.whole().T
+
+            def blocks():
+                step = max(1, (32 << 20) // max(1, 8 * m))
+                return (x[r : r + step] for r in range(0, x.shape[0], step))
+
+        tall_shape = (m, n) if tall else (n, m)
+        fac = None
+        if cap is None and 2 * hint + 8 < min(m, n):
+            fac = factorize_certified(blocks, tall_shape, 2 * hint + 8, device=device)
+        route = "range-finder-certified" if fac is not None else "gram-eigh-float64"
+        if fac is None:
+            g = torch.zeros((tall_shape[1], tall_shape[1]), dtype=torch.float64, device=device)
+            for xb in blocks():
+                gram_add(g, xb)
+            fac = factors_from_gram(g, tall_shape, blocks, cap)
+        if not tall:
+            fac = dataclasses.replace(fac, left=fac.right.T.contiguous(), right=fac.left.T.contiguous())
+        return fac, route
 
     def _tied_unit(
         self, stage: AdapterStage, index: int, job: TensorJob, units: list[tuple[int, dict]]

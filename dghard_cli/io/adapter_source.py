@@ -448,8 +448,11 @@ class AdapterCheckpoint(Checkpoint):
         """Where a full checkpoint written from this view takes its side files: BASE's config,
         generation config and tokenizer, then the adapter's own tokenizer or chat template files
         (a fine-tune's, which win), never the adapter's config."""
+        from dghard_cli.io.peft_writer import TOKENIZER_FILE
+
         base_skip = set(self.base.shards) | ({self.base.index_file} if self.base.index_file else set())
-        return [(self.base.path, base_skip), (self.adapter.path, {ADAPTER_WEIGHTS, ADAPTER_CONFIG})]
+        adapter_skip = {p.name for p in Path(self.adapter.path).iterdir() if not TOKENIZER_FILE.match(p.name)}
+        return [(self.base.path, base_skip), (self.adapter.path, adapter_skip)]
 
     def close(self) -> None:
         self.adapter.weights.close()

@@ -164,3 +164,54 @@ def factorize_product(b: torch.Tensor, a: torch.Tensor, max_rank: int | None = N
     right = (qa @ vh[:k].T).T.contiguous()
     kept2 = float(torch.sum(s[:k] ** 2))
     return Factors(left, right, sigma[:numerical], numerical, fro2, kept2)
+
+
+def factorize_certified(
+    blocks: Callable[[], Iterable[torch.Tensor]],
+    shape: tuple[int, int],
+    width: int,
+    *,
+    device: torch.device | None = None,
+    seed: int = 0,
+) -> Factors | None:
+    """Exact factors of a tall matrix ``X`` (``N x M``) that is numerically of rank < ``width``,
+    in two thin passes over its row blocks, ``O(N·M·width)``; None when ``X`` is not.
+
+    Pass 1: ``Y = X Ω`` for a Gaussian ``Ω`` (``M x width``) and ``‖X‖²``; ``Q = orth(Y)``.
+    Pass 2: ``C = QᵀX``. The residual ``‖X − Q Qᵀ X‖² = ‖X‖² − ‖C‖²`` is then known exactly: the
+    result is returned only when it is below ``NUMERICAL_RANK_RTOL²·‖X‖²`` — what the numerical
+    rank rule would discard anyway — so ``X = Q C`` to that tolerance and the SVD of the small
+    ``C`` is the SVD of ``X`` (a certificate, not a probability). Otherwise the caller falls back
+    to :func:`factors_from_gram`.
+    """
+    rows, cols = shape
+    w = min(cols, max(1, width))
+    dev = device or torch.device("cpu")
+    omega = torch.randn((cols, w), generator=torch.Generator().manual_seed(seed), dtype=F64).to(dev)
+    fro2 = 0.0
+    ys = []
+    for xb in blocks():
+        x = xb.to(device=dev, dtype=F64)
+        fro2 += float(torch.sum(x * x))
+        ys.append(x @ omega)
+    if not fro2 > 0:
+        return _empty(rows, cols, 0.0, dev)
+    q = torch.linalg.qr(torch.cat(ys, dim=0))[0]
+    del ys
+    c = torch.zeros((q.shape[1], cols), dtype=F64, device=dev)
+    r0 = 0
+    for xb in blocks():
+        x = xb.to(device=dev, dtype=F64)
+        c.addmm_(q[r0 : r0 + x.shape[0]].T, x)
+        r0 += x.shape[0]
+    captured = float(torch.sum(c * c))
+    if fro2 - captured > NUMERICAL_RANK_RTOL**2 * fro2:
+        return None
+    u, s, vt = torch.linalg.svd(c, full_matrices=False)
+    sigma = s.cpu().numpy()
+    numerical, k = _rank(sigma, None)
+    if k == 0:
+        return _empty(rows, cols, fro2, dev)
+    left = q @ (u[:, :k] * s[:k])
+    kept2 = float(torch.sum(s[:k] ** 2))
+    return Factors(left, vt[:k].contiguous(), sigma[:numerical], numerical, fro2, kept2)
