@@ -56,6 +56,7 @@ from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.adapter_source import CONV1D_MODEL_TYPES, AdapterCheckpoint, is_adapter
 from dghard_cli.io.checkpoint import Checkpoint, FileReader, TensorInfo
 from dghard_cli.io.lora_adapter import PEFT_PREFIX
+from dghard_cli.io.output import check_out_path
 from dghard_cli.io.peft_writer import (
     SPOOL_PREFIX,
     AdapterStage,
@@ -233,6 +234,11 @@ class AdapterOutput:
             self.format = "peft"
         else:
             self.format = "full"
+        if self.format == "full" and self.lora.rank is not None:
+            raise InputError(
+                "--rank limits the rank of an adapter output, and this run writes a full checkpoint; "
+                "add --format peft (or drop --rank)"
+            )
         coeffs = linear_coefficients(method, params) if spec is None else None
         self.coefficients = coeffs
         self.exact = (
@@ -291,6 +297,7 @@ class AdapterOutput:
             notes=list(plan.notes),
             spectral=self.spec is not None and path == "factored",
         )
+        check_out_path(Path(out), [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
         if run.dry_run:
             doc = report_mod.build_report(
                 output={
