@@ -94,7 +94,10 @@ DTYPE_CHOICES = ("bf16", "fp16", "fp32", "fp64")
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress and no summary.")]
 VerboseOpt = Annotated[bool, typer.Option("--verbose", "-v", help="More detail; tracebacks on errors.")]
 BaseArg = Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")]
-FtArg = Annotated[str, typer.Argument(help="Fine-tuned checkpoint: a directory or a Hub id.")]
+FtArg = Annotated[
+    str,
+    typer.Argument(help="Fine-tuned checkpoint, or a PEFT LoRA adapter of BASE: a directory or a Hub id."),
+]
 IncludeOpt = Annotated[
     Optional[list[str]], typer.Option(help="Only tensors whose name matches this regex (repeatable).")
 ]

@@ -83,7 +83,8 @@ def _head(
     models: Annotated[
         Optional[list[str]],
         typer.Argument(
-            help="BASE then one or more fine-tunes FT... (directories or Hub ids).", show_default=False
+            help="BASE then one or more fine-tunes FT... (directories or Hub ids; PEFT LoRA adapters too).",
+            show_default=False,
         ),
     ] = None,
     method: Annotated[

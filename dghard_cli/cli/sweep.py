@@ -41,7 +41,12 @@ def _split(values: list[str] | None) -> list[str]:
 @app.command("sweep", epilog=SWEEP_EPILOG)
 def sweep_cmd(
     base: Annotated[str, typer.Argument(help="Base checkpoint: a directory or a Hub id org/name.")],
-    ft: Annotated[str, typer.Argument(help="Fine-tuned checkpoint: a directory or a Hub id.")],
+    ft: Annotated[
+        str,
+        typer.Argument(
+            help="Fine-tuned checkpoint, or a PEFT LoRA adapter of BASE: a directory or a Hub id."
+        ),
+    ],
     out: Annotated[
         Path, typer.Argument(help="Output directory: the winner's checkpoint and sweep_report.json.")
     ],
