@@ -198,11 +198,6 @@ def merge(
             extra["layer_strengths"] = strengths.report()
             make_op = sched.wrap(make_op)
         if output.format == "peft":
-            if strengths is not None:
-                raise InputError(
-                    "a layer-strength schedule (--lines/--layer-strengths) is written as a full checkpoint: "
-                    "drop --format peft, or pass --merge when the fine-tunes are LoRA adapters"
-                )
             if opts.create_parents and not opts.run.dry_run:
                 Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
             return output.write(
@@ -211,6 +206,7 @@ def merge(
                 make_op=make_op,
                 run=opts.run,
                 parameters=parameters,
+                strengths=strengths,
             )
         parameters.update(output.full_parameters())
 

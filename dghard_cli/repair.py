@@ -94,11 +94,6 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             spec=spec,
             out_dtype=opts.policy.out_dtype,
         )
-        if opts.schedule is not None and output.format == "peft":
-            raise InputError(
-                "a layer-strength schedule (--lines/--layer-strengths) is written as a full checkpoint: "
-                "drop --format peft, or pass --merge when FT is a LoRA adapter"
-            )
         eligible = sched.scheduled_eligibility(opts.policy) if spec is None else None
         plan = build_plan(base_ck, [ft_ck], opts.policy, eligible=eligible)
         strengths = sched.bind(opts.schedule, plan, ft_ck) if opts.schedule is not None else None
@@ -111,7 +106,12 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
 
         if output.format == "peft":
             return output.write(
-                out=Path(out), plan=plan, make_op=make_op, run=opts.run, parameters=repair_parameters(opts)
+                out=Path(out),
+                plan=plan,
+                make_op=sched.wrap(make_op) if strengths is not None else make_op,
+                run=opts.run,
+                parameters=repair_parameters(opts),
+                strengths=strengths,
             )
         doc = write_model(
             command="repair",

@@ -626,3 +626,156 @@ def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeyp
     name = "adapter_model.safetensors"
     assert (out / name).read_bytes() == (whole / name).read_bytes()
     assert not list(out.glob("dghard-spool-*")) and not list(out.glob("dghard_journal*"))
+
+
+# -- the layer-wise schedule in adapter form ------------------------------------------------------------
+def lines_lambda(name: str, a: float, b: float, num_layers: int = 2) -> float:
+    """λ(ℓ) = a + b·ℓ/(L−1) of ``--lines a,b``, written here from the formula: embeddings a, the
+    final norm and the head a + b."""
+    import re
+
+    m = re.search(r"\.layers\.(\d+)\.", name)
+    if m:
+        return a + b * int(m.group(1)) / (num_layers - 1)
+    return a if "embed_tokens" in name else a + b
+
+
+def scheduled_reference(kind: str, base: Path, adapter: Path, a: float, b: float, c: float = 1.0):
+    """A float64 model with W_base + c·λ(ℓ)·ΔW, ΔW from PEFT's own merge_and_unload()."""
+    merged = PeftModel.from_pretrained(load(kind, base), str(adapter)).merge_and_unload().state_dict()
+    base_sd = load(kind, base).state_dict()
+    deltas = {}
+    for name, w in merged.items():
+        if name in base_sd and w.is_floating_point():
+            d = f64(w) - f64(base_sd[name])
+            if np.any(d):
+                deltas[name] = c * lines_lambda(name, a, b) * d
+    return float64_model(kind, base, deltas), deltas
+
+
+ADAPTER_SCHEDULES = {
+    "llama-norm-saved": (
+        "llama",
+        dict(
+            r=4,
+            lora_alpha=8,
+            target_modules=["q_proj", "v_proj", "down_proj"],
+            modules_to_save=["model.norm"],
+        ),
+    ),
+    "qwen2-tied-embedding": ("qwen2", dict(r=4, lora_alpha=16, target_modules=["q_proj", "embed_tokens"])),
+}
+
+
+@pytest.mark.parametrize("case", list(ADAPTER_SCHEDULES))
+def test_lines_on_an_adapter_is_an_adapter_with_each_module_scaled(case, bases, tmp_path):
+    """Before: `repair BASE ADAPTER OUT --lines A,B` was refused ("a layer-strength schedule is
+    written as a full checkpoint"). Now each module's B is scaled by its block's λ (the exact route,
+    no base weight read for the factors), full tensors get W_base + λ·Δ, and PEFT's logits equal a
+    float64 model with W_base + λ(ℓ)·ΔW."""
+    from dghard_cli.methods.schedule import parse_lines
+
+    kind, lora = ADAPTER_SCHEDULES[case]
+    base = bases[kind]
+    ad = make_adapter(kind, base, tmp_path / "ad", seed=11, **lora)
+    out = tmp_path / "lines"
+    doc = repair(
+        str(base), str(ad), str(out), RepairOptions(spec=None, schedule=parse_lines("0.3,0.6"), run=quiet())
+    )
+    assert doc["adapter"]["route"] == "exact" and doc["layer_strengths"]["layers"] == [
+        0.3,
+        0.8999999999999999,
+    ]
+    assert (out / "adapter_config.json").exists() and not (out / "config.json").exists()
+    sd_in = load_file(str(ad / "adapter_model.safetensors"))
+    sd_out = load_file(str(out / "adapter_model.safetensors"))
+    scaling = lora["lora_alpha"] / lora["r"]
+    checked = 0
+    for key, t in sd_in.items():
+        if key.endswith((".lora_B.weight", ".lora_embedding_B")):
+            lam = lines_lambda(key, 0.3, 0.6)
+            assert torch.allclose(sd_out[key], t * (lam * scaling), rtol=1e-6, atol=0), key
+            checked += 1
+    assert checked >= 2
+    rec = {r["name"]: r for r in doc["tensors"]}
+    assert rec["model.layers.1.self_attn.q_proj.weight"]["layer_strength"] == pytest.approx(0.9)
+    assert rec["model.layers.0.self_attn.q_proj.weight"]["layer"] == 0
+    x = tokens()
+    ref, _ = scheduled_reference(kind, base, ad, 0.3, 0.6)
+    assert rel(peft_logits(kind, base, out, x), logits(ref, x)) < 1e-5
+    # --merge writes the same model as a full checkpoint
+    full = tmp_path / "lines-full"
+    repair(
+        str(base),
+        str(ad),
+        str(full),
+        RepairOptions(
+            spec=None, schedule=parse_lines("0.3,0.6"), run=quiet(), lora=LoraOutputOptions(merge=True)
+        ),
+    )
+    assert rel(logits(load(kind, full), x), logits(ref, x)) < 1e-5
+
+
+def test_wise_ft_under_lines_of_an_adapter_scales_by_alpha_times_lambda(bases, tmp_path):
+    from dghard_cli.methods.schedule import parse_lines
+
+    base = bases["llama"]
+    ad = make_adapter(
+        "llama", base, tmp_path / "ad", seed=12, r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"]
+    )
+    out = tmp_path / "wise"
+    doc = merge(
+        str(base), [str(ad)], str(out), merge_opts("wise-ft", alpha=0.5, schedule=parse_lines("0.2,1.0"))
+    )
+    assert doc["adapter"]["route"] == "exact" and doc["layer_strengths"]["head"] == pytest.approx(1.2)
+    coeffs = {r["name"]: r["coefficients"] for r in doc["tensors"] if r.get("written_as") == "lora"}
+    assert coeffs["model.layers.0.mlp.up_proj.weight"] == [pytest.approx(0.1)]
+    assert coeffs["model.layers.1.mlp.up_proj.weight"] == [pytest.approx(0.6)]
+    x = tokens()
+    ref, _ = scheduled_reference("llama", base, ad, 0.2, 1.0, c=0.5)
+    assert rel(peft_logits("llama", base, out, x), logits(ref, x)) < 1e-5
+
+
+def test_format_peft_of_dg_hard_under_lines_gives_the_full_runs_logits(bases, full_fts, tmp_path):
+    """DG-Hard's Δ* scaled by λ(ℓ) is still low-rank: the adapter keeps each module's kept rank
+    and gives the full checkpoint's logits; a schedule alone on a full fine-tune is not low-rank and
+    needs --rank, like WiSE-FT."""
+    from dghard_cli.methods.schedule import parse_lines
+
+    base, ft = bases["llama"], full_fts["llama"]
+    sched = parse_lines("0.5,0.5")
+    full, out = tmp_path / "full", tmp_path / "peft"
+    rdoc = repair(str(base), str(ft), str(full), RepairOptions(schedule=sched, run=quiet()))
+    doc = repair(
+        str(base),
+        str(ft),
+        str(out),
+        RepairOptions(schedule=sched, run=quiet(), lora=LoraOutputOptions(format="peft")),
+    )
+    kept = {r["name"]: r["rank_kept"] for r in rdoc["tensors"] if "rank_kept" in r}
+    lora = [r for r in doc["tensors"] if r.get("written_as") == "lora"]
+    assert lora and all(r["rank"] == kept[r["name"]] and r["energy_lost"] < 1e-9 for r in lora)
+    assert doc["layer_strengths"] == rdoc["layer_strengths"]
+    x = tokens()
+    assert rel(peft_logits("llama", base, out, x), logits(load("llama", full), x)) < 1e-5
+    with pytest.raises(InputError, match="pass --rank R"):
+        repair(
+            str(base),
+            str(ft),
+            str(tmp_path / "alone"),
+            RepairOptions(spec=None, schedule=sched, run=quiet(), lora=LoraOutputOptions(format="peft")),
+        )
+    assert not (tmp_path / "alone").exists()
+
+
+def test_cli_lines_on_an_adapter_exits_0_with_an_adapter(bases, tmp_path):
+    ad = make_adapter(
+        "llama", bases["llama"], tmp_path / "ad", seed=13, r=2, lora_alpha=4, target_modules=["v_proj"]
+    )
+    out = tmp_path / "out"
+    res = run_dghard("repair", bases["llama"], ad, out, "--lines", "0.4,0.4")
+    assert res.returncode == 0, res.stderr
+    assert (out / "adapter_model.safetensors").exists()
+    report = json.loads((out / "dghard_report.json").read_text())
+    assert report["parameters"]["adapter_route"] == "exact" and report["layer_strengths"]["embed"] == 0.4
+    assert "λ per layer" in res.stdout + res.stderr and "λ(ℓ)" in (out / "README.md").read_text()

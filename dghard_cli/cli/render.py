@@ -555,6 +555,8 @@ def render_adapter(console: Console, doc: dict) -> None:
     )
     if a.get("modules_to_save"):
         t.add_row("modules_to_save", Text(", ".join(a["modules_to_save"])))
+    if doc.get("layer_strengths"):  # --lines / --layer-strengths: B scaled per block
+        t.add_row("λ per layer", doc["layer_strengths"]["summary"])
     size, full = a.get("bytes") or 0, a.get("full_checkpoint_bytes") or 0
     ratio = f" ({100 * size / full:.2f} % of the {full / 1e6:.1f} MB full checkpoint)" if full else ""
     t.add_row("size", f"{size / 1e6:.2f} MB{ratio}")

@@ -71,7 +71,11 @@ from dghard_cli.spectral.lowrank import factorize_certified, factorize_product, 
 
 FORMATS = ("auto", "full", "peft")
 #: Methods whose update is not low-rank for full fine-tunes: ``--format peft`` needs ``--rank``.
-NOT_LOW_RANK = frozenset({"ties", "dare-linear", "dare-ties", "task-arithmetic", "wise-ft", "recall"})
+NOT_LOW_RANK = frozenset(
+    {"ties", "dare-linear", "dare-ties", "task-arithmetic", "wise-ft", "recall", "lines", "layer-strengths"}
+)
+#: A repair that is a layer-strength schedule alone (``--lines``/``--layer-strengths``, no filter).
+SCHEDULE_METHODS = frozenset({"lines", "layer-strengths"})
 
 
 @dataclass
@@ -102,16 +106,36 @@ def linear_coefficients(method: str, params: dict) -> Callable[[str], list[float
     """``c_i(tensor)`` of a method that is linear in the task vectors, ``W = W_base + Σ c_i Δ_i``;
     None for methods that are not (TIES, DARE, RECALL, spectral filters).
 
-    This is where a layer-wise schedule plugs in: ``--lines A,B`` scales each tensor's update by
-    λ(ℓ) = A + B·ℓ/(L−1), a linear method with name-dependent coefficients — return
-    ``lambda name: [λ(layer(name))·c for c in …]`` here and the adapter stays exact.
+    A layer-wise schedule (``--lines A,B``: λ(ℓ) = A + B·ℓ/(L−1)) is linear too, with
+    name-dependent coefficients; :meth:`AdapterOutput.write` multiplies these by each tensor's λ,
+    so a schedule alone is ``[1]`` here and WiSE-FT under a schedule is ``[λ(ℓ)·α]``.
     """
     if method == "wise-ft":
         return lambda name: [float(params["alpha"])]
     if method == "task-arithmetic":
         lam = float(params["lambda"])
         return lambda name: [lam * float(w) for w in params["weights"]]
+    if method in SCHEDULE_METHODS:
+        return lambda name: [1.0]
     return None
+
+
+def scheduled_coefficients(
+    coeffs: Callable[[str], list[float]], plan: Plan, strengths
+) -> Callable[[str], list[float]]:
+    """``coeffs`` under a bound layer-strength schedule: each tensor's coefficients times its λ.
+
+    λ is the one the plan's job carries (tied tensors share the input embedding's, as in a full
+    checkpoint), else the schedule's for the tensor's place (a tensor the plan does not list)."""
+    bound = {j.name: j.strength for j in plan.jobs if j.strength is not None}
+
+    def scaled(name: str) -> list[float]:
+        lam = bound.get(name)
+        if lam is None:
+            lam = strengths.for_tensor(name)[1]
+        return [float(lam) * c for c in coeffs(name)]
+
+    return scaled
 
 
 def degenerate_message(ft: Checkpoint, command: str) -> str:
@@ -268,9 +292,19 @@ class AdapterOutput:
         make_op: Callable[[torch.device], TensorOp],
         run: RunOptions,
         parameters: dict,
+        strengths=None,  # a bound layer-strength schedule (methods/schedule.py), or None
     ) -> dict:
-        """Write the run's result as a PEFT adapter into OUT; returns the report document."""
+        """Write the run's result as a PEFT adapter into OUT; returns the report document.
+
+        With ``strengths`` the exact route scales each module's B (and each full tensor's update) by
+        its λ(ℓ); the factored route gets the schedule through ``make_op`` (``schedule.wrap``)."""
         t_start = time.perf_counter()
+        self._run_coefficients = self.coefficients
+        self._lam: dict[str, tuple] = {}
+        if strengths is not None and self.coefficients is not None:
+            self._run_coefficients = scheduled_coefficients(self.coefficients, plan, strengths)
+            self._lam = {j.name: (j.layer, j.strength) for j in plan.jobs if j.strength is not None}
+        schedule_doc = {"layer_strengths": strengths.report()} if strengths is not None else {}
         base, fts = self.base, self.fts
         for j in plan.jobs:
             if j.action == "resized":
@@ -312,6 +346,7 @@ class AdapterOutput:
                 **common,
             )
             doc["summary"]["dry_run"] = True
+            doc.update(schedule_doc)
             return doc
         fp = fingerprint(self.command, self.method, parameters, plan, [base, *fts])
         stage = AdapterStage(
@@ -351,7 +386,7 @@ class AdapterOutput:
                     timings=timings,
                     memory=report_mod.peak_memory(device),
                     records=records,
-                    extra={"adapter": summary, "adapter_config": config},
+                    extra={"adapter": summary, "adapter_config": config, **schedule_doc},
                     **common,
                 )
                 self._doc = doc
@@ -387,7 +422,7 @@ class AdapterOutput:
     def _exact_units(self, stage: AdapterStage) -> list[tuple[int, dict]]:
         base = self.base
         fts: list[AdapterCheckpoint] = self.fts  # type: ignore[assignment]
-        coeffs = self.coefficients
+        coeffs = self._run_coefficients
         assert coeffs is not None
         order = {n: i for i, n in enumerate(base.tensors)}
         module_set = {m for f in fts for m in f.modules}
@@ -415,7 +450,7 @@ class AdapterOutput:
                 b, a = d.factors()
                 parts.append((b * (c[i] * d.scaling), a))
                 kinds.add((d.embedding, d.transposed))
-            rec = {"name": weight, "module": m, "action": "method"}
+            rec = {"name": weight, "module": m, "action": "method", **self._strength_fields(weight)}
             if len(kinds) > 1:
                 raise InputError(
                     f"module {m!r} is an embedding or Conv1D layer in one adapter and not in another; "
@@ -481,6 +516,7 @@ class AdapterOutput:
                 "module": name.rsplit(".", 1)[0],
                 "action": "method",
                 "shape": list(binfo.shape),
+                **self._strength_fields(name),
             }
             if bool(torch.equal(w, w0)):
                 rec["written_as"] = "unchanged"
@@ -492,6 +528,13 @@ class AdapterOutput:
             units.append((index, rec))
             index += 1
         return units
+
+    def _strength_fields(self, name: str) -> dict:
+        """The report's per-tensor ``layer``/``layer_strength`` under a schedule (as in a full run)."""
+        if name not in self._lam:
+            return {}
+        layer, lam = self._lam[name]
+        return {"layer": layer, "layer_strength": lam}
 
     def _full_dtype(self, info: TensorInfo) -> str:
         return self.out_dtype or getattr(info, "output_dtype", None) or info.dtype
@@ -875,6 +918,11 @@ def adapter_card(doc: dict) -> str:
         + (f" (modules_to_save: {', '.join(a['modules_to_save'])})" if a.get("modules_to_save") else ""),
         f"- {mib:.2f} MiB, against {full:.2f} MiB for the full checkpoint",
         f"- largest share of a module's update lost to the rank cut: {a.get('energy_lost_max', 0):.3g}",
+        *(
+            [f"- layer-wise strengths λ(ℓ): {doc['layer_strengths']['summary']}"]
+            if doc.get("layer_strengths")
+            else []
+        ),
         "",
         "```python",
         "from transformers import AutoModelForCausalLM",
