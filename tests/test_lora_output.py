@@ -127,7 +127,7 @@ def test_adapter_view_reads_in_blocks_the_same(tmp_path, monkeypatch):
 
 
 def test_large_updates_spill_to_disk_and_give_the_same_adapter(tmp_path, monkeypatch):
-    import dghard_cli.engine.adapter_run as adapter_run
+    import dghard_cli.engine.adapter_factored as factored
     from dghard_cli.engine.adapter_run import LoraOutputOptions
     from dghard_cli.engine.runner import RunOptions
     from dghard_cli.repair import RepairOptions, repair
@@ -138,15 +138,15 @@ def test_large_updates_spill_to_disk_and_give_the_same_adapter(tmp_path, monkeyp
     base, ft = make_pair(tmp_path / "pair", arch, ft_shards=2)
     opts = RepairOptions(run=RunOptions(quiet=True, device="cpu"), lora=LoraOutputOptions(format="peft"))
     repair(str(base), str(ft), str(tmp_path / "mem"), opts)
-    monkeypatch.setattr(adapter_run, "SPILL_BYTES", 0)
+    monkeypatch.setattr(factored, "SPILL_BYTES", 0)
     seen = []
-    real = adapter_run._DeltaStore.blocks
+    real = factored.DeltaStore.blocks
 
     def blocks(self):
         seen.append(self.path is not None)
         yield from real(self)
 
-    monkeypatch.setattr(adapter_run._DeltaStore, "blocks", blocks)
+    monkeypatch.setattr(factored.DeltaStore, "blocks", blocks)
     repair(str(base), str(ft), str(tmp_path / "disk"), opts)
     assert True in seen  # the tall matrices (wide ones are factored from memory)
     name = "adapter_model.safetensors"

@@ -1,0 +1,47 @@
+"""README.md of an adapter output (the model card a Hub upload shows)."""
+
+from __future__ import annotations
+
+
+def adapter_card(doc: dict) -> str:
+    """README.md of an adapter output: what was done and how to load it."""
+    a = doc.get("adapter", {})
+    base = doc["inputs"]["base"]["source"]
+    mib = (a.get("bytes") or 0) / 2**20
+    full = (a.get("full_checkpoint_bytes") or 0) / 2**20
+    lines = [
+        "---",
+        "library_name: peft",
+        f"base_model: {base}",
+        "tags:",
+        "- dghard",
+        f"- {doc['method']}",
+        "---",
+        "",
+        f"# {doc['method']} as a PEFT LoRA adapter",
+        "",
+        f"Made by `dghard {doc['command']}` (dghard {doc['tool']['version']}) on {doc['created']}.",
+        "",
+        f"- {a.get('lora_modules', 0)} LoRA modules (rank median {a.get('rank_median')}, max {a.get('rank_max')}; "
+        f"scaling 1), {a.get('full_tensors', 0)} full tensors"
+        + (f" (modules_to_save: {', '.join(a['modules_to_save'])})" if a.get("modules_to_save") else ""),
+        f"- {mib:.2f} MiB, against {full:.2f} MiB for the full checkpoint",
+        f"- largest share of a module's update lost to the rank cut: {a.get('energy_lost_max', 0):.3g}",
+        *(
+            [f"- layer-wise strengths λ(ℓ): {doc['layer_strengths']['summary']}"]
+            if doc.get("layer_strengths")
+            else []
+        ),
+        "",
+        "```python",
+        "from transformers import AutoModelForCausalLM",
+        "from peft import PeftModel",
+        "",
+        f"model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), 'THIS_DIR')",
+        "merged = model.merge_and_unload()  # a plain transformers model",
+        "```",
+        "",
+        "`dghard_report.json` holds every module's rank, energy and timings.",
+        "",
+    ]
+    return "\n".join(lines)
