@@ -64,8 +64,10 @@ def auto_units(raw: Mapping[str, tuple[float, float | None]]) -> dict[str, str]:
     return {k: classify(v, se) for k, (v, se) in raw.items()}
 
 
-def _units(rf) -> dict[str, str]:
-    return dict(rf.units) if getattr(rf, "units", None) else {}
+def _units(rf) -> Mapping[str, str]:
+    """A file's per-benchmark units, read-only (not copied: it is asked once per benchmark, and a
+    copy each time made scoring 10^5 tasks quadratic)."""
+    return getattr(rf, "units", None) or {}
 
 
 def reconcile(files: Sequence) -> list:
