@@ -103,6 +103,9 @@ def della(
 class DellaKernel(Kernel):
     """DELLA on each delta block (rows are whole in a block), then TIES' election or a sum."""
 
+    #: MAGPRUNE ranks the magnitudes of each row: blocks hold whole rows, never flat pieces of one
+    needs_rows = True
+
     def __init__(
         self,
         weights: Sequence[float],
