@@ -3,6 +3,7 @@ blocked reads. Float64 numpy references; PEFT's matching rule written out here."
 
 from __future__ import annotations
 
+import json
 import re
 
 import numpy as np
@@ -172,3 +173,32 @@ def test_certified_range_finder_is_exact_or_declines():
     assert fac.energy_lost < 1e-12
     noisy = low + 1e-3 * g.standard_normal((300, 40))  # full rank: no certificate at width 20
     assert factorize_certified(blocks_of(noisy), (300, 40), 20) is None
+
+
+def test_an_adapter_output_honours_report_and_the_output_path_rule(tmp_path):
+    """Before: an adapter output ignored --report: `--report FT/config.json` exited 0 (the rule
+    that no output lands on an input was never checked) and the report went only into OUT."""
+    from conftest import run_dghard
+
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
+
+    arch = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    base, ft = make_pair(tmp_path / "pair", arch)
+    before = (ft / "config.json").read_bytes()
+    out = tmp_path / "out"
+    for target, words in ((ft / "config.json", "inside FT"), (out / "adapter_config.json", "writes itself")):
+        res = run_dghard("repair", base, ft, out, "--format", "peft", "--report", target)
+        assert res.returncode == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1
+        assert not out.exists()
+    assert (ft / "config.json").read_bytes() == before
+    res = run_dghard("repair", base, ft, out, "--format", "peft", "--report", tmp_path / "r.json", "-q")
+    assert res.returncode == 0, res.stderr
+    doc = json.loads((tmp_path / "r.json").read_text())
+    assert doc["output"]["format"] == "peft" and not (out / "dghard_report.json").exists()
+    inside = tmp_path / "out2"
+    res = run_dghard(
+        "repair", base, ft, inside, "--format", "peft", "--report", inside / "sub" / "r.json", "-q"
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads((inside / "sub" / "r.json").read_text())["output"]["format"] == "peft"

@@ -48,12 +48,20 @@ from dghard_cli.engine.adapter_factored import FactoredRoute
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp
 from dghard_cli.engine.plan import Plan
-from dghard_cli.engine.runner import RunOptions, fingerprint, inputs_doc, plan_records
+from dghard_cli.engine.runner import (
+    RunOptions,
+    check_report_path,
+    fingerprint,
+    inputs_doc,
+    plan_records,
+    report_target,
+)
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.adapter_source import is_adapter
+from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.output import check_out_path
-from dghard_cli.io.peft_writer import AdapterStage
+from dghard_cli.io.peft_writer import ADAPTER_FILES, AdapterStage
 from dghard_cli.report import build as report_mod
 from dghard_cli.report.adapter_card import adapter_card
 
@@ -255,6 +263,8 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
             spectral=self.spec is not None and path == "factored",
         )
         check_out_path(Path(out), [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
+        rel_report, abs_report = report_target(Path(out), run.report_path)
+        check_report_path(Path(out), run.report_path, base, fts, set(ADAPTER_FILES))
         if run.dry_run:
             doc = report_mod.build_report(
                 output={
@@ -313,10 +323,10 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
                     **common,
                 )
                 self._doc = doc
-                return {
-                    "dghard_report.json": json.dumps(doc, indent=2) + "\n",
-                    "README.md": adapter_card(doc),
-                }
+                docs = {"README.md": adapter_card(doc)}
+                if rel_report is not None:  # the default OUT/dghard_report.json, or --report inside OUT
+                    docs[rel_report] = json.dumps(doc, indent=2) + "\n"
+                return docs
 
             stage.finish(items, config=config, tokenizer_dirs=self._tokenizer_dirs(), documents=documents)
         except KeyboardInterrupt:
@@ -338,6 +348,13 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
             ) from None
         finally:  # OUT's lock goes with the run, whatever ended it (finish() released it already)
             stage.stage.lock.release()
+        if abs_report is not None:
+            try:
+                write_json_atomic(abs_report, self._doc)
+            except OSError as exc:
+                raise RuntimeFailure(
+                    f"{out} is complete, but writing --report {abs_report} failed ({exc.strerror or exc})"
+                ) from None
         return self._doc
 
     def _tokenizer_dirs(self) -> list[Path]:

@@ -110,6 +110,40 @@ def _report_target(out: Path, report_path: Path | None) -> tuple[str | None, Pat
         return None, rp
 
 
+def report_target(out: Path, report_path: Path | None) -> tuple[str | None, Path | None]:
+    """Where ``--report`` goes: (path relative to OUT, or None; absolute path outside OUT, or
+    None); InputError when the directory of a report outside OUT does not exist."""
+    rel_report, abs_report = _report_target(out, report_path)
+    if abs_report is not None and not path_exists(abs_report.parent):
+        raise InputError(f"--report {report_path}: directory {abs_report.parent} does not exist")
+    return rel_report, abs_report
+
+
+def check_report_path(
+    out: Path, report_path: Path | None, base: Checkpoint, fts: list[Checkpoint], writes: set[str]
+) -> None:
+    """The output-path rule for ``--report``: not inside an input, not onto a file OUT gets
+    (``writes``: the names the run writes into OUT besides the reserved ones)."""
+    if report_path is None:
+        return
+    check_outputs(
+        [
+            ("BASE", base.path),
+            *[("FT" if len(fts) == 1 else f"FT #{k}", f.path) for k, f in enumerate(fts, 1)],
+        ],
+        [
+            Output(
+                "OUT",
+                out,
+                is_dir=True,
+                writes=frozenset((RESERVED_NAMES | writes) - {REPORT_NAME}),
+                replaces=True,
+            ),
+            Output("--report", Path(report_path)),
+        ],
+    )
+
+
 def write_model(
     *,
     command: str,
@@ -138,27 +172,14 @@ def write_model(
     device = resolve_device(run.device)
     out = Path(out)
     check_out_path(out, [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
-    rel_report, abs_report = _report_target(out, run.report_path)
-    if abs_report is not None and not path_exists(abs_report.parent):
-        raise InputError(f"--report {run.report_path}: directory {abs_report.parent} does not exist")
+    rel_report, abs_report = report_target(out, run.report_path)
     check_jobs(plan.jobs, method=method, spectral=spectral, device=device)
     where = fts[0].path / (fts[0].index_file or "")
     check_shard_names(plan.shards, f"FT {where}" if fts[0].index_file else f"FT {fts[0].path}")
     # an adapter FT (io.adapter_source) takes BASE's config and tokenizer, then its own tokenizer
     side_sources = getattr(fts[0], "side_file_sources", lambda: [(fts[0].path, set(fts[0].shards))])()
     side = [entry for d, skip in side_sources for entry in list_side_files(d, skip)]
-    if run.report_path is not None:
-        writes = (RESERVED_NAMES | set(plan.shards) | {n for n, _ in side}) - {REPORT_NAME}
-        check_outputs(
-            [
-                ("BASE", base.path),
-                *[("FT" if len(fts) == 1 else f"FT #{k}", f.path) for k, f in enumerate(fts, 1)],
-            ],
-            [
-                Output("OUT", out, is_dir=True, writes=frozenset(writes), replaces=True),
-                Output("--report", Path(run.report_path)),
-            ],
-        )
+    check_report_path(out, run.report_path, base, fts, set(plan.shards) | {n for n, _ in side})
 
     input_warnings, swap_ruled_out = input_checks.before_run(base, fts, plan)
     if run.show_notices:

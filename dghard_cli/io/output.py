@@ -326,6 +326,7 @@ class OutputStage:
 
     def write_text(self, name: str, text: str) -> Path:
         path = self.dir / name
+        path.parent.mkdir(parents=True, exist_ok=True)  # --report OUT/sub/report.json
         path.write_text(text, encoding="utf-8")
         return path
 

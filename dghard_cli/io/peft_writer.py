@@ -49,6 +49,9 @@ TOKENIZER_FILE = re.compile(
     r"^(tokenizer.*|special_tokens_map\.json|added_tokens\.json|chat_template.*|vocab.*|merges.*|.*\.model|.*\.tiktoken)$"
 )
 
+#: The files an adapter output holds besides the model card and the report.
+ADAPTER_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
+
 
 def st_dtype(t: torch.Tensor) -> str:
     return _TORCH_TO_ST[t.dtype]
