@@ -2,7 +2,9 @@
 
 Byte mutations inside regular files cannot find what a hostile download does with the file
 system itself. Each case here copies a valid BASE/FT pair (and a LoRA adapter), applies one
-mutation from a family, runs ``repair`` (or ``audit_lora`` on the adapter) and checks:
+mutation from a family, runs ``repair`` — or, for the adapter's mutations, ``audit_lora`` on it,
+a WiSE-FT ``merge`` of BASE and the adapter written as an adapter, or the same merge written as
+a full checkpoint (``--merge``, which also copies the adapter's tokenizer files) — and checks:
 
 - the outcome is one the mutation allows (``expect``): a symlink out of the checkpoint, a
   FIFO, a device or a directory where a file belongs must be *refused* (InputError), not
@@ -94,6 +96,7 @@ def prepare(template: Path) -> None:
             ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=40),
             r=4,
         )
+    (template / "adapter" / "tokenizer.json").write_text(SIDE_FILES["tokenizer.json"])
     (template / "secret.txt").write_text(json.dumps({"token": CANARY}))
     os.environ["DGHARD_FUZZ_CANARY"] = CANARY  # what /proc/self/environ would leak
 
@@ -103,9 +106,11 @@ def prepare(template: Path) -> None:
 
 def _slot(rng: random.Random, root: Path, adapter: bool) -> tuple[str, Path]:
     if adapter:
-        name = rng.choice(["adapter-config", "adapter-weights"])
-        f = "adapter_config.json" if name == "adapter-config" else "adapter_model.safetensors"
-        return name, root / "adapter" / f
+        slots = {"adapter-config": "adapter_config.json", "adapter-weights": "adapter_model.safetensors"}
+        if _PLAN[str(root)]["target"] != "audit":  # only a run that writes OUT reads the tokenizer
+            slots["adapter-side"] = "tokenizer.json"
+        name = rng.choice(sorted(slots))
+        return name, root / "adapter" / slots[name]
     ft = root / "ft"
     name = rng.choice(["shard", "index", "config", "side"])
     if name == "shard":
@@ -264,6 +269,8 @@ def _outpath(rng: random.Random, root: Path, adapter: bool) -> tuple[str, frozen
     ft, base, out = root / "ft", root / "base", root / "out"
     shard = sorted(ft.glob("*.safetensors"))[0]
     plan = _PLAN[str(root)]
+    if adapter:
+        return _outpath_adapter(rng, root, plan)
     choices: dict[str, Callable[[], frozenset]] = {
         "report-on-ft-shard": lambda: _set(plan, report=shard) or ERR,
         "report-inside-ft": lambda: _set(plan, report=ft / "new.json") or ERR,
@@ -284,6 +291,32 @@ def _outpath(rng: random.Random, root: Path, adapter: bool) -> tuple[str, frozen
     }
     kind = rng.choice(sorted(choices))
     return f"outpath:{kind}", choices[kind]()
+
+
+def _outpath_adapter(rng: random.Random, root: Path, plan: dict) -> tuple[str, frozenset]:
+    """OUT and ``--report`` against an adapter FT and the files an adapter output holds."""
+    ad, out = root / "adapter", root / "out"
+    choices: dict[str, Callable[[], frozenset]] = {
+        "report-on-adapter-config": lambda: _set(plan, report=ad / "adapter_config.json") or ERR,
+        "report-on-adapter-weights": lambda: _set(plan, report=ad / "adapter_model.safetensors") or ERR,
+        "report-inside-adapter": lambda: _set(plan, report=ad / "new.json") or ERR,
+        "report-on-model-card": lambda: _set(plan, report=out / "README.md") or ERR,
+        "report-on-output-tokenizer": lambda: _set(plan, report=out / "tokenizer.json") or ERR,
+        "report-in-out": lambda: _set(plan, report=out / "sub" / "report.json") or OK,
+        "report-elsewhere": lambda: _set(plan, report=root / "elsewhere.json") or OK,
+        "out-is-adapter": lambda: _set(plan, out=ad) or ERR,
+        "out-inside-adapter": lambda: _set(plan, out=ad / "sub") or ERR,
+        "out-through-link-to-adapter": lambda: _set(plan, out=_link(root / "olink", ad)) or ERR,
+    }
+    if plan["target"] == "adapter-out":  # files only an adapter output holds
+        choices["report-on-output-adapter-config"] = lambda: (
+            _set(plan, report=out / "adapter_config.json") or ERR
+        )
+        choices["report-on-output-adapter-weights"] = lambda: (
+            _set(plan, report=out / "adapter_model.safetensors") or ERR
+        )
+    kind = rng.choice(sorted(choices))
+    return f"outpath:adapter:{kind}", choices[kind]()
 
 
 def _set(plan: dict, **kw: object) -> None:
@@ -387,8 +420,11 @@ def mutate(rng: random.Random, root: Path) -> str:
     for name, text in SIDE_FILES.items():  # the fine-tune's tokenizer and friends, to be copied
         (root / "ft" / name).write_text(text)
     family = rng.choice(sorted(FAMILIES))
-    adapter = family in ("symlink", "fifo", "device", "directory", "size") and rng.random() < 0.2
-    plan = {"target": "audit" if adapter else "repair", "out": root / "out", "report": None}
+    adapter = family in ("symlink", "fifo", "device", "directory", "size", "outpath") and rng.random() < 0.3
+    target = "repair"
+    if adapter:  # the adapter read by the auditor, or as FT by a merge (an adapter out, or a full one)
+        target = rng.choice(["adapter-out", "adapter-full"] + ([] if family == "outpath" else ["audit"]))
+    plan = {"target": target, "out": root / "out", "report": None}
     _PLAN[str(root)] = plan
     kind, expect = FAMILIES[family](rng, root, adapter)
     plan["expect"] = expect
@@ -402,6 +438,15 @@ def execute(root: Path) -> None:
         from dghard_cli.audit.auditor import audit_lora
 
         audit_lora(str(root / "adapter"))
+        return
+    if plan["target"] in ("adapter-out", "adapter-full"):
+        from dghard_cli.engine.adapter_run import LoraOutputOptions
+        from dghard_cli.engine.runner import RunOptions
+        from dghard_cli.merge import MergeOptions, merge
+
+        lora = LoraOutputOptions(merge=plan["target"] == "adapter-full")
+        opts = MergeOptions("wise-ft", alpha=0.5, lora=lora, run=RunOptions(report_path=plan["report"]))
+        merge(root / "base", [root / "adapter"], plan["out"], opts)
         return
     from dghard_cli import repair
     from dghard_cli.engine.runner import RunOptions
@@ -437,22 +482,33 @@ def check(root: Path, kind: str, outcome: str) -> str | None:
     for d in ("base", "ft", "adapter"):
         if _digest(root / d) != plan["digest"][d]:
             return f"input {d} was modified"
-    if plan["target"] != "repair":
+    if plan["target"] == "audit":
         return None
     out = Path(plan["out"])
+    inputs = [root / "ft", root / "adapter", root]
     leftovers = sorted(p.name for p in out.parent.glob(f".{out.name}.dghard-*"))
     if leftovers:
         return f"left {leftovers[0]} beside OUT"
     if outcome != "ok":
-        if out.exists() and out not in (root / "ft", root) and out.resolve() != (root / "ft").resolve():
+        if out.exists() and out not in inputs and out.resolve() not in [p.resolve() for p in inputs]:
             return "OUT exists after a refusal"
         return None
-    from dghard_cli.io.verify import verify_dir
+    if plan["report"] is not None and not Path(plan["report"]).is_file():
+        return "--report was not written"
+    if plan["target"] != "adapter-out":  # an adapter output is checked by loading it below
+        from dghard_cli.io.verify import verify_dir
 
-    try:
-        verify_dir(out, use_report=True)
-    except InputError as exc:
-        return f"OUT does not verify: {exc}"
+        try:
+            verify_dir(out, use_report=True)
+        except InputError as exc:
+            return f"OUT does not verify: {exc}"
+    else:
+        from dghard_cli.io.lora_adapter import open_adapter
+
+        try:
+            open_adapter(str(out)).weights.close()
+        except InputError as exc:
+            return f"the adapter written to OUT does not open: {exc}"
     for p in out.rglob("*"):
         if p.is_file() and CANARY.encode() in p.read_bytes():
             return f"the secret reached OUT ({p.name})"

@@ -185,9 +185,14 @@ def test_an_adapter_output_honours_report_and_the_output_path_rule(tmp_path):
     arch = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=64)  # fmt: skip
     base, ft = make_pair(tmp_path / "pair", arch)
+    (ft / "tokenizer.json").write_text('{"version": "1.0"}')  # copied into the adapter output
     before = (ft / "config.json").read_bytes()
     out = tmp_path / "out"
-    for target, words in ((ft / "config.json", "inside FT"), (out / "adapter_config.json", "writes itself")):
+    for target, words in (
+        (ft / "config.json", "inside FT"),
+        (out / "adapter_config.json", "writes itself"),
+        (out / "tokenizer.json", "writes itself"),
+    ):
         res = run_dghard("repair", base, ft, out, "--format", "peft", "--report", target)
         assert res.returncode == 2 and words in res.stderr and len(res.stderr.strip().splitlines()) == 1
         assert not out.exists()

@@ -61,7 +61,7 @@ from dghard_cli.io.adapter_source import is_adapter
 from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.output import check_out_path
-from dghard_cli.io.peft_writer import ADAPTER_FILES, AdapterStage
+from dghard_cli.io.peft_writer import ADAPTER_FILES, TOKENIZER_FILE, AdapterStage
 from dghard_cli.report import build as report_mod
 from dghard_cli.report.adapter_card import adapter_card
 
@@ -264,7 +264,10 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
         )
         check_out_path(Path(out), [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
         rel_report, abs_report = report_target(Path(out), run.report_path)
-        check_report_path(Path(out), run.report_path, base, fts, set(ADAPTER_FILES))
+        tokenizer = {
+            p.name for d in self._tokenizer_dirs() for p in d.iterdir() if TOKENIZER_FILE.match(p.name)
+        }
+        check_report_path(Path(out), run.report_path, base, fts, set(ADAPTER_FILES) | tokenizer)
         if run.dry_run:
             doc = report_mod.build_report(
                 output={
