@@ -102,7 +102,7 @@ def test_target_modules_list_or_regex():
 
 def test_adapter_view_reads_in_blocks_the_same(tmp_path, monkeypatch):
     """An adapted tensor read whole, in small compute blocks, or by rows gives the same bytes."""
-    import dghard_cli.io.adapter_source as src
+    import dghard_cli.io.adapter_view as src
     from dghard_cli.io.adapter_source import open_ft
     from dghard_cli.io.hub import open_checkpoint
     from dghard_cli.testing.synthetic import ArchConfig, make_pair

@@ -1,0 +1,100 @@
+"""The refinement search of the ``lines`` sweep family: a compass search around the best (α, β)
+so far, then (with ``--refine groups``) the same search over per-group offsets, and the
+evaluated points of an entry recovered from the sweep's evaluations (so a resumed sweep takes
+the same steps).
+
+Relies on :mod:`dghard_cli.sweep.lines_candidates` (group points, block ranges, the candidate
+a point makes). :mod:`dghard_cli.sweep.lines` is the public entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from dghard_cli.errors import InputError
+from dghard_cli.sweep.candidates import round_sig
+from dghard_cli.sweep.lines_candidates import GroupPoint, LinesEntry, _make, group_ranges
+
+Objective = tuple | None
+
+# -- the search ---------------------------------------------------------------------------------
+
+
+def compass_probe(
+    points: dict[tuple[float, ...], Objective],
+    lo: Sequence[float],
+    hi: Sequence[float],
+    step: float,
+    tolerance: float,
+) -> tuple[float, ...] | None:
+    """The next probe of a compass search around the best of ``points``, or None when done.
+
+    Steps are shares of each coordinate's range ``hi − lo``: the first step is the Chebyshev
+    distance (in those shares) from the best point to the nearest other evaluated point, at
+    most ``step``; coordinates are tried in order, + before −; the step halves when every
+    neighbour at it is evaluated; below ``tolerance`` the search is done.
+    """
+    ok = {p: o for p, o in points.items() if o is not None}
+    if not ok:
+        return None
+    best = max(ok, key=lambda p: (ok[p], tuple(-x for x in p)))  # equal objectives: the smallest point
+    span = [h - low for low, h in zip(lo, hi, strict=True)]
+    dist = [max(abs(q[d] - best[d]) / span[d] for d in range(len(best))) for q in points if q != best]
+    s = round_sig(min([step, *[x for x in dist if x > 0]]))
+    while s >= tolerance:
+        for d in range(len(best)):
+            for sign in (1.0, -1.0):
+                # round(…, 12) first: 0.1 − 0.1·(1 − 2⁻⁵⁴) is 0, not 2.8e-17
+                v = min(max(round_sig(round(best[d] + sign * s * span[d], 12)), lo[d]), hi[d])
+                q = (*best[:d], v, *best[d + 1 :])
+                if q != best and q not in points:
+                    return q
+        s /= 2
+    return None
+
+
+def refine_probe(entry: LinesEntry, points: dict[object, Objective]) -> object | None:
+    """The next refinement probe of a ``lines`` entry: (α, β), then (with --refine groups) a
+    :class:`GroupPoint`; None when both stages are done."""
+    if not entry.refine:
+        return None
+    pairs = {p: o for p, o in points.items() if isinstance(p, tuple)}
+    lo = (entry.alpha_range[0], entry.beta_range[0])
+    hi = (entry.alpha_range[1], entry.beta_range[1])
+    probe = compass_probe(pairs, lo, hi, entry.step, entry.tolerance)  # type: ignore[arg-type]
+    if probe is not None:
+        return probe
+    if not entry.refine_groups or entry.num_layers is None:
+        return None
+    ok = {p: o for p, o in pairs.items() if o is not None}
+    if not ok:
+        return None
+    best = max(ok, key=lambda p: (ok[p], tuple(-x for x in p)))
+    n = len(group_ranges(entry.num_layers, entry.groups)) + 2
+    offsets: dict[tuple[float, ...], Objective] = {(0.0,) * n: ok[best]}
+    for p, o in points.items():
+        if isinstance(p, GroupPoint) and p.base == best and len(p.offsets) == n:
+            offsets[p.offsets] = o
+    glo, ghi = [entry.group_range[0]] * n, [entry.group_range[1]] * n
+    step = compass_probe(offsets, glo, ghi, entry.step, entry.tolerance)
+    return None if step is None else GroupPoint(base=best, offsets=step)  # type: ignore[arg-type]
+
+
+def entry_points(entry: LinesEntry, evaluated: dict[tuple, Objective]) -> dict[object, Objective]:
+    """The evaluated points of a ``lines`` entry ((α, β) pairs and group points) and objectives."""
+    out: dict[object, Objective] = {}
+    for params, obj in evaluated.items():
+        d = dict(params)
+        if isinstance(d.get("lines"), tuple) and len(d["lines"]) == 2:
+            point: object = tuple(float(x) for x in d["lines"])
+        elif "offsets" in d and "lines_base" in d and entry.num_layers is not None:
+            point = GroupPoint(base=tuple(d["lines_base"]), offsets=tuple(d["offsets"]))  # type: ignore[arg-type]
+        else:
+            continue
+        try:
+            same = _make(entry, point).params == params
+        except InputError:
+            same = False
+        if same:
+            out[point] = obj
+    return out
