@@ -29,7 +29,12 @@ LINKED = ("examples", "configs", "scripts")
 NEEDS_NETWORK: dict[str, str] = {}
 
 #: Rewrites that keep the run short without changing what the command exercises.
-SHORTER = {"--budget 12": "--budget 3"}  # the sweep example: 2 references + 1 candidate
+SHORTER = {
+    "--budget 12": "--budget 3",  # the sweep example: 2 references + 1 candidate
+    "--budget 16": "--budget 4",  # the layer-strengths sweep: 2 references + 2 lines points
+    # the grid and the first compass steps; the per-group stage runs in tests/test_sweep_lines.py
+    "--budget 26 --refine groups": "--budget 7 --refine groups",
+}
 
 
 @dataclass(frozen=True)
