@@ -27,16 +27,17 @@ import torch
 CHUNK = 1 << 20
 
 
-def stream_seed(seed: int, name: str, index: int, chunk: int) -> int:
-    """The generator seed of one chunk: a stable 63-bit hash of (seed, name, index, chunk)."""
-    key = f"dghard-dare\0{seed}\0{name}\0{index}\0{chunk}".encode()
+def stream_seed(seed: int, name: str, index: int, chunk: int, domain: str = "dghard-dare") -> int:
+    """The generator seed of one chunk: a stable 63-bit hash of (domain, seed, name, index, chunk)."""
+    key = f"{domain}\0{seed}\0{name}\0{index}\0{chunk}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
 
 
-def keep_mask(
-    seed: int, name: str, index: int, density: float, numel: int, start: int, stop: int
+def uniforms(
+    seed: int, name: str, index: int, numel: int, start: int, stop: int, domain: str = "dghard-dare"
 ) -> torch.Tensor:
-    """Which entries ``[start, stop)`` of the flattened tensor survive (CPU bool tensor)."""
+    """u_j for flat positions ``[start, stop)`` of the tensor (CPU float32), from the chunked
+    stream of ``domain`` (DELLA draws from the same construction in its own domain)."""
     if not 0 <= start <= stop <= numel:
         raise ValueError("range outside the tensor")
     parts = []
@@ -44,14 +45,20 @@ def keep_mask(
     while c * CHUNK < stop:
         c0 = c * CHUNK
         length = min(CHUNK, numel - c0)
-        g = torch.Generator().manual_seed(stream_seed(seed, name, index, c))
+        g = torch.Generator().manual_seed(stream_seed(seed, name, index, c, domain))
         u = torch.rand(length, generator=g, dtype=torch.float32)
-        lo, hi = max(start, c0) - c0, min(stop, c0 + length) - c0
-        parts.append(u[lo:hi] < density)
+        parts.append(u[max(start, c0) - c0 : min(stop, c0 + length) - c0])
         c += 1
     if not parts:
-        return torch.zeros(0, dtype=torch.bool)
+        return torch.zeros(0, dtype=torch.float32)
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def keep_mask(
+    seed: int, name: str, index: int, density: float, numel: int, start: int, stop: int
+) -> torch.Tensor:
+    """Which entries ``[start, stop)`` of the flattened tensor survive (CPU bool tensor)."""
+    return uniforms(seed, name, index, numel, start, stop) < density
 
 
 def rescale(delta: torch.Tensor, density: float) -> torch.Tensor:

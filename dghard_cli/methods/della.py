@@ -27,7 +27,6 @@ and rescales by the ratio of L1 norms, so the two agree in distribution, not ent
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -35,33 +34,16 @@ import torch
 from dghard_cli.errors import InputError
 from dghard_cli.methods.builtin import kept_summary, nonnegative_weights
 from dghard_cli.methods.dare import CHUNK
+from dghard_cli.methods.dare import uniforms as dare_uniforms
 from dghard_cli.methods.merge_ops import BlockExact, Kernel, _Election, per_ft
 from dghard_cli.methods.registry import NUMBER, BuildContext, MergeMethod, Param, finite
 from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
 
 
-def stream_seed(seed: int, name: str, index: int, chunk: int) -> int:
-    """The generator seed of one chunk: a stable 63-bit hash of (seed, name, index, chunk)."""
-    key = f"dghard-della\0{seed}\0{name}\0{index}\0{chunk}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") & (2**63 - 1)
-
-
 def uniforms(seed: int, name: str, index: int, numel: int, start: int, stop: int) -> torch.Tensor:
-    """u_j for flat positions ``[start, stop)`` of the tensor (CPU float32)."""
-    if not 0 <= start <= stop <= numel:
-        raise ValueError("range outside the tensor")
-    parts = []
-    c = start // CHUNK
-    while c * CHUNK < stop:
-        c0 = c * CHUNK
-        length = min(CHUNK, numel - c0)
-        g = torch.Generator().manual_seed(stream_seed(seed, name, index, c))
-        u = torch.rand(length, generator=g, dtype=torch.float32)
-        parts.append(u[max(start, c0) - c0 : min(stop, c0 + length) - c0])
-        c += 1
-    if not parts:
-        return torch.zeros(0, dtype=torch.float32)
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    """u_j for flat positions ``[start, stop)`` of the tensor (CPU float32): DARE's stream in
+    the ``dghard-della`` domain."""
+    return dare_uniforms(seed, name, index, numel, start, stop, domain="dghard-della")
 
 
 def keep_probabilities(delta: torch.Tensor, density: float, epsilon: float) -> torch.Tensor:
