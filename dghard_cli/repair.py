@@ -104,11 +104,12 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
                 return None
             return SpectralFilterOp(spec, device, opts.block_bytes or default_block_bytes(device), opts.route)
 
+        run_op = sched.wrap(make_op) if strengths is not None else make_op
         if output.format == "peft":
             return output.write(
                 out=Path(out),
                 plan=plan,
-                make_op=sched.wrap(make_op) if strengths is not None else make_op,
+                make_op=run_op,
                 run=opts.run,
                 parameters=repair_parameters(opts),
                 strengths=strengths,
@@ -121,7 +122,7 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             fts=[ft_ck],
             out=Path(out),
             plan=plan,
-            make_op=sched.wrap(make_op) if strengths is not None else make_op,
+            make_op=run_op,
             run=opts.run,
             spectral=spec is not None,
             extra_report=(lambda records: {"layer_strengths": strengths.report()})

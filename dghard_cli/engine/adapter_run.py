@@ -55,13 +55,13 @@ from dghard_cli.engine.runner import (
     inputs_doc,
     plan_records,
     report_target,
+    write_report_outside,
 )
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.adapter_source import is_adapter
-from dghard_cli.io.atomic import write_json_atomic
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.output import check_out_path
-from dghard_cli.io.peft_writer import ADAPTER_FILES, TOKENIZER_FILE, AdapterStage
+from dghard_cli.io.peft_writer import ADAPTER_FILES, AdapterStage, tokenizer_files
 from dghard_cli.report import build as report_mod
 from dghard_cli.report.adapter_card import adapter_card
 
@@ -117,19 +117,18 @@ def linear_coefficients(method: str, params: dict) -> Callable[[str], list[float
 
 
 def scheduled_coefficients(
-    coeffs: Callable[[str], list[float]], plan: Plan, strengths
+    coeffs: Callable[[str], list[float]], lam: dict[str, float], strengths
 ) -> Callable[[str], list[float]]:
     """``coeffs`` under a bound layer-strength schedule: each tensor's coefficients times its λ.
 
-    λ is the one the plan's job carries (tied tensors share the input embedding's, as in a full
-    checkpoint), else the schedule's for the tensor's place (a tensor the plan does not list)."""
-    bound = {j.name: j.strength for j in plan.jobs if j.strength is not None}
+    ``lam``: the λ of each of the plan's jobs (tied tensors share the input embedding's, as in a
+    full checkpoint); a tensor the plan does not list takes the schedule's λ for its place."""
 
     def scaled(name: str) -> list[float]:
-        lam = bound.get(name)
-        if lam is None:
-            lam = strengths.for_tensor(name)[1]
-        return [float(lam) * c for c in coeffs(name)]
+        factor = lam.get(name)
+        if factor is None:
+            factor = strengths.for_tensor(name)[1]
+        return [float(factor) * c for c in coeffs(name)]
 
     return scaled
 
@@ -233,8 +232,9 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
         self._run_coefficients = self.coefficients
         self._lam: dict[str, tuple] = {}
         if strengths is not None and self.coefficients is not None:
-            self._run_coefficients = scheduled_coefficients(self.coefficients, plan, strengths)
             self._lam = {j.name: (j.layer, j.strength) for j in plan.jobs if j.strength is not None}
+            lam = {name: strength for name, (_, strength) in self._lam.items()}
+            self._run_coefficients = scheduled_coefficients(self.coefficients, lam, strengths)
         schedule_doc = {"layer_strengths": strengths.report()} if strengths is not None else {}
         base, fts = self.base, self.fts
         for j in plan.jobs:
@@ -264,9 +264,7 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
         )
         check_out_path(Path(out), [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
         rel_report, abs_report = report_target(Path(out), run.report_path)
-        tokenizer = {
-            p.name for d in self._tokenizer_dirs() for p in d.iterdir() if TOKENIZER_FILE.match(p.name)
-        }
+        tokenizer = set().union(*(tokenizer_files(d) for d in self._tokenizer_dirs()))
         check_report_path(Path(out), run.report_path, base, fts, set(ADAPTER_FILES) | tokenizer)
         if run.dry_run:
             doc = report_mod.build_report(
@@ -351,13 +349,7 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
             ) from None
         finally:  # OUT's lock goes with the run, whatever ended it (finish() released it already)
             stage.stage.lock.release()
-        if abs_report is not None:
-            try:
-                write_json_atomic(abs_report, self._doc)
-            except OSError as exc:
-                raise RuntimeFailure(
-                    f"{out} is complete, but writing --report {abs_report} failed ({exc.strerror or exc})"
-                ) from None
+        write_report_outside(Path(out), abs_report, self._doc)
         return self._doc
 
     def _tokenizer_dirs(self) -> list[Path]:

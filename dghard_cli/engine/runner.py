@@ -328,14 +328,20 @@ def write_model(
     except OSError as exc:
         stage.lock.release()
         raise RuntimeFailure(f"could not move {stage.dir} to {out}: {exc.strerror or exc}") from None
-    if abs_report is not None:
-        try:
-            write_json_atomic(abs_report, doc)
-        except OSError as exc:
-            raise RuntimeFailure(
-                f"{out} is complete, but writing --report {abs_report} failed ({exc.strerror or exc})"
-            ) from None
+    write_report_outside(out, abs_report, doc)
     return doc
+
+
+def write_report_outside(out: Path, abs_report: Path | None, doc: dict) -> None:
+    """``--report`` outside OUT, written once OUT is complete (exit 3 if that write fails)."""
+    if abs_report is None:
+        return
+    try:
+        write_json_atomic(abs_report, doc)
+    except OSError as exc:
+        raise RuntimeFailure(
+            f"{out} is complete, but writing --report {abs_report} failed ({exc.strerror or exc})"
+        ) from None
 
 
 def _io_failure(exc: OSError, stage: OutputStage, doing: str) -> RuntimeFailure:

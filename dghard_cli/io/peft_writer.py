@@ -53,6 +53,11 @@ TOKENIZER_FILE = re.compile(
 ADAPTER_FILES = (ADAPTER_WEIGHTS, ADAPTER_CONFIG)
 
 
+def tokenizer_files(directory: Path) -> set[str]:
+    """The names in ``directory`` an adapter output copies: its tokenizer files."""
+    return {p.name for p in Path(directory).iterdir() if TOKENIZER_FILE.match(p.name)}
+
+
 def st_dtype(t: torch.Tensor) -> str:
     return _TORCH_TO_ST[t.dtype]
 
@@ -238,7 +243,8 @@ class AdapterStage:
         self.stage.write_json(ADAPTER_CONFIG, config)
         copied: list[str] = []
         for d in tokenizer_dirs:
-            names = {p.name for p in Path(d).iterdir() if not TOKENIZER_FILE.match(p.name)}
+            keep = tokenizer_files(d)
+            names = {p.name for p in Path(d).iterdir() if p.name not in keep}  # everything else is skipped
             copied += self.stage.copy_side_files(Path(d), names)
         # the written adapter must read back as what was meant
         check = AdapterWeights(self.dir / ADAPTER_WEIGHTS, source=str(self.out), revision=None)
