@@ -12,6 +12,8 @@ document the command prints with ``--json``; their options (``RepairOptions``,
     report = repair("base/", "ft/", "out/", RepairOptions(spec=ShrinkSpec(scale=1.0)))
 """
 
+from __future__ import annotations
+
 import os as _os
 
 # OpenMP threads that spin while waiting turn LAPACK's eigensolver 10-100x slower whenever
@@ -24,20 +26,58 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
+from importlib import import_module as _import_module  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402
+from typing import TYPE_CHECKING as _TYPE_CHECKING  # noqa: E402
 
-from dghard_cli.audit.auditor import AuditOptions, audit_lora  # noqa: E402
-from dghard_cli.engine.plan import PolicyOptions  # noqa: E402
-from dghard_cli.engine.runner import RunOptions  # noqa: E402
-from dghard_cli.errors import CheckFailed, DGHardError, InputError, Interrupted, RuntimeFailure  # noqa: E402
-from dghard_cli.inspection import InspectOptions, inspect_pair  # noqa: E402
-from dghard_cli.io.verify import verify_dir  # noqa: E402
-from dghard_cli.merge import MergeOptions, merge  # noqa: E402
-from dghard_cli.methods.calibration import RecallOptions  # noqa: E402
-from dghard_cli.repair import RepairOptions, repair  # noqa: E402
-from dghard_cli.score.scoring import score_files  # noqa: E402
-from dghard_cli.spectral.spectrum import ShrinkSpec  # noqa: E402
-from dghard_cli.sweep.run import SweepOptions, sweep  # noqa: E402
+#: where each public name is defined. Nothing is imported until a name is used (PEP 562), so
+#: ``import dghard_cli`` -- and ``dghard --version`` or ``--help`` -- loads neither torch nor
+#: numpy; ``from dghard_cli import repair`` imports the repair stack then.
+_EXPORTS = {
+    "AuditOptions": "dghard_cli.audit.auditor",
+    "audit_lora": "dghard_cli.audit.auditor",
+    "PolicyOptions": "dghard_cli.engine.plan",
+    "RunOptions": "dghard_cli.engine.runner",
+    "CheckFailed": "dghard_cli.errors",
+    "DGHardError": "dghard_cli.errors",
+    "InputError": "dghard_cli.errors",
+    "Interrupted": "dghard_cli.errors",
+    "RuntimeFailure": "dghard_cli.errors",
+    "InspectOptions": "dghard_cli.inspection",
+    "MergeOptions": "dghard_cli.merge",
+    "merge": "dghard_cli.merge",
+    "RecallOptions": "dghard_cli.methods.calibration",
+    "RepairOptions": "dghard_cli.repair",
+    "repair": "dghard_cli.repair",
+    "ShrinkSpec": "dghard_cli.spectral.spectrum",
+    "SweepOptions": "dghard_cli.sweep.run",
+    "sweep": "dghard_cli.sweep.run",
+}
+
+if _TYPE_CHECKING:  # what static tools see; at run time each name is imported on first use
+    from dghard_cli.audit.auditor import AuditOptions, audit_lora
+    from dghard_cli.engine.plan import PolicyOptions
+    from dghard_cli.engine.runner import RunOptions
+    from dghard_cli.errors import CheckFailed, DGHardError, InputError, Interrupted, RuntimeFailure
+    from dghard_cli.inspection import InspectOptions
+    from dghard_cli.merge import MergeOptions, merge
+    from dghard_cli.methods.calibration import RecallOptions
+    from dghard_cli.repair import RepairOptions, repair
+    from dghard_cli.spectral.spectrum import ShrinkSpec
+    from dghard_cli.sweep.run import SweepOptions, sweep
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'dghard_cli' has no attribute {name!r}")
+    value = getattr(_import_module(module), name)
+    globals()[name] = value  # the next use is a plain lookup
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_EXPORTS))
 
 
 def inspect(base: str | _Path, ft: str | _Path, options: InspectOptions | None = None) -> dict:
@@ -50,6 +90,8 @@ def inspect(base: str | _Path, ft: str | _Path, options: InspectOptions | None =
         doc = inspect("base/", "ft/", InspectOptions(matrices=4, plot_dir="plots/"))
         print(doc["summary"]["verdict"])
     """
+    from dghard_cli.inspection import inspect_pair
+
     return inspect_pair(base, ft, options)
 
 
@@ -64,6 +106,8 @@ def score(base: str | _Path, ft: str | _Path, candidates: list[str], **options) 
         doc = score("eval/base.json", "eval/ft.json", ["repaired=eval/repaired.json"], targets=["gsm8k"])
         print(doc["best"])
     """
+    from dghard_cli.score.scoring import score_files
+
     return score_files(base, ft, candidates, **options)
 
 
@@ -76,6 +120,8 @@ def verify(directory: str | _Path, *, quick: bool = False) -> dict:
         from dghard_cli import verify
         print(verify("out/")["checks"])
     """
+    from dghard_cli.io.verify import verify_dir
+
     return verify_dir(_Path(directory), deep=not quick, use_report=True)
 
 
