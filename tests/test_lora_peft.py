@@ -37,11 +37,11 @@ from transformers import (  # noqa: E402
 )
 
 from dghard_cli.audit.auditor import audit_lora  # noqa: E402
-from dghard_cli.engine.adapter_run import LoraOutputOptions  # noqa: E402
 from dghard_cli.engine.runner import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.inspection import InspectOptions, inspect_pair  # noqa: E402
-from dghard_cli.io.lora_config import KNOWN_KEYS  # noqa: E402
+from dghard_cli.lora.config import KNOWN_KEYS  # noqa: E402
+from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
 from dghard_cli.merge import MergeOptions, merge  # noqa: E402
 from dghard_cli.repair import RepairOptions, repair  # noqa: E402
 from dghard_cli.spectral.spectrum import ShrinkSpec  # noqa: E402
@@ -600,7 +600,7 @@ def test_sweep_takes_an_adapter_and_writes_the_winner_merged(bases, tmp_path):
 
 
 def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeypatch):
-    import dghard_cli.engine.adapter_run as adapter_run
+    import dghard_cli.lora.output as adapter_run
     from dghard_cli.errors import Interrupted
 
     base, ft = bases["llama"], full_fts["llama"]

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from dghard_cli.audit.findings import Finding, finding
 from dghard_cli.errors import InputError
-from dghard_cli.io.lora_targets import pattern_key
 from dghard_cli.io.patterns import pattern_problem, reset_budgets
+from dghard_cli.lora.targets import pattern_key
 
 ADAPTER_CONFIG = "adapter_config.json"
 

@@ -11,7 +11,7 @@ from dghard_cli.architecture import OUTPUT_LAYER_NAMES
 from dghard_cli.io.patterns import bounded, peft_fullmatch, peft_key_match
 
 if TYPE_CHECKING:  # the config module uses pattern_key from here
-    from dghard_cli.io.lora_config import LoraConfig
+    from dghard_cli.lora.config import LoraConfig
 
 
 # -- PEFT's name matching ---------------------------------------------------------------------------

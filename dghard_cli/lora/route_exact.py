@@ -2,11 +2,11 @@
 
 Per module ``B = [c_1 s_1 B_1, c_2 s_2 B_2, …]`` and ``A = [A_1; A_2; …]`` (rank Σ r_i, as PEFT's
 ``add_weighted_adapter(combination_type="cat")``), ``c_i(tensor)`` from
-:func:`dghard_cli.engine.adapter_run.linear_coefficients` (times λ(ℓ) under a layer-strength
+:func:`dghard_cli.lora.output.linear_coefficients` (times λ(ℓ) under a layer-strength
 schedule); full tensors combined elementwise in float64. No base weight is read for the factors;
 ``--rank R`` truncates the concatenation exactly (SVD of the factors).
 
-:class:`ExactRoute` is a part of :class:`~dghard_cli.engine.adapter_run.AdapterOutput`: it reads
+:class:`ExactRoute` is a part of :class:`~dghard_cli.lora.output.AdapterOutput`: it reads
 ``self.base``, ``self.fts``, ``self.lora``, ``self.out_dtype``, ``self._run_coefficients``,
 ``self._lam`` and ``self._factor_dtype``, which ``AdapterOutput.write`` sets.
 """
@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_source import AdapterCheckpoint
 from dghard_cli.io.checkpoint import TensorInfo
-from dghard_cli.io.peft_writer import AdapterStage
 from dghard_cli.io.safetensors_format import torch_dtype
+from dghard_cli.lora.source import AdapterCheckpoint
+from dghard_cli.lora.writer import AdapterStage
 from dghard_cli.spectral.lowrank import factorize_product
 
 

@@ -14,9 +14,9 @@
 - an update that is not low-rank (TIES, DARE, strengths of full fine-tunes, RECALL, ``twoknob``
   with a bulk weight) written as an adapter needs ``--rank R``.
 
-Two ways to the adapter (written by :class:`~dghard_cli.io.peft_writer.AdapterStage`; each in its
-own module, :mod:`~dghard_cli.engine.adapter_exact` and :mod:`~dghard_cli.engine.adapter_factored`,
-assembled into PEFT's layout by :mod:`~dghard_cli.engine.adapter_assemble`):
+Two ways to the adapter (written by :class:`~dghard_cli.lora.writer.AdapterStage`; each in its
+own module, :mod:`~dghard_cli.lora.route_exact` and :mod:`~dghard_cli.lora.route_factored`,
+assembled into PEFT's layout by :mod:`~dghard_cli.lora.assemble`):
 
 - **exact** — a method linear in the task vectors, ``W = W_base + Σ_i c_i(tensor)·Δ_i`` (WiSE-FT:
   ``c = α``; task arithmetic: ``c_i = λ·w_i``; see :func:`linear_coefficients`), on fine-tunes
@@ -42,9 +42,6 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.engine.adapter_assemble import Assembly
-from dghard_cli.engine.adapter_exact import ExactRoute
-from dghard_cli.engine.adapter_factored import FactoredRoute
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp
 from dghard_cli.engine.plan import Plan
@@ -58,12 +55,15 @@ from dghard_cli.engine.runner import (
     write_report_outside,
 )
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
-from dghard_cli.io.adapter_source import is_adapter
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.output import check_out_path
-from dghard_cli.io.peft_writer import ADAPTER_FILES, AdapterStage, tokenizer_files
+from dghard_cli.lora.assemble import Assembly
+from dghard_cli.lora.card import adapter_card
+from dghard_cli.lora.route_exact import ExactRoute
+from dghard_cli.lora.route_factored import FactoredRoute
+from dghard_cli.lora.source import is_adapter
+from dghard_cli.lora.writer import ADAPTER_FILES, AdapterStage, tokenizer_files
 from dghard_cli.report import build as report_mod
-from dghard_cli.report.adapter_card import adapter_card
 
 FORMATS = ("auto", "full", "peft")
 #: Methods whose update is not low-rank for full fine-tunes: ``--format peft`` needs ``--rank``.

@@ -8,7 +8,7 @@ recorded per module. A module whose factors would be larger than the matrix is w
 Δ* waits for the second pass in memory, or in a scratch file of the staging directory
 (:class:`DeltaStore`) when it is large.
 
-:class:`FactoredRoute` is a part of :class:`~dghard_cli.engine.adapter_run.AdapterOutput`: it reads
+:class:`FactoredRoute` is a part of :class:`~dghard_cli.lora.output.AdapterOutput`: it reads
 ``self.base``, ``self.fts``, ``self.lora``, ``self._stage`` and ``self._factor_dtype``.
 """
 
@@ -30,13 +30,13 @@ from dghard_cli.engine.pipeline import EngineOptions
 from dghard_cli.engine.plan import Plan, TensorJob
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_source import CONV1D_MODEL_TYPES, AdapterCheckpoint
 from dghard_cli.io.checkpoint import FileReader
-from dghard_cli.io.peft_writer import (
+from dghard_cli.io.safetensors_format import torch_dtype
+from dghard_cli.lora.source import CONV1D_MODEL_TYPES, AdapterCheckpoint
+from dghard_cli.lora.writer import (
     SPOOL_PREFIX,
     AdapterStage,
 )
-from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.spectral.lowrank import factorize_certified, factors_from_gram, gram_add
 
 #: Updates larger than this (float32 bytes) wait for the factorisation's second pass on disk.

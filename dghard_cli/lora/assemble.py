@@ -2,7 +2,7 @@
 ``base_layer`` biases, a tied output layer's update moved onto the input embedding, and the
 ``adapter_config.json`` (rank/alpha patterns) with the summary the report carries.
 
-:class:`Assembly` is a part of :class:`~dghard_cli.engine.adapter_run.AdapterOutput`.
+:class:`Assembly` is a part of :class:`~dghard_cli.lora.output.AdapterOutput`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import torch
 
 from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_source import AdapterCheckpoint
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
-from dghard_cli.io.lora_adapter import PEFT_PREFIX
-from dghard_cli.io.peft_writer import (
+from dghard_cli.lora.adapter import PEFT_PREFIX
+from dghard_cli.lora.source import AdapterCheckpoint
+from dghard_cli.lora.writer import (
     AdapterStage,
     adapter_config,
     check_modules_to_save,
@@ -158,7 +158,7 @@ class Assembly:
 
 def _transposed_view(info: TensorInfo) -> TensorInfo:
     """A spooled 2-D factor read back transposed (the tied embedding's orientation)."""
-    from dghard_cli.io.adapter_source import ComputedTensorInfo
+    from dghard_cli.lora.source import ComputedTensorInfo
 
     rows, cols = info.shape
     return ComputedTensorInfo(
