@@ -14,8 +14,8 @@ from dghard_cli.audit.findings import (
     finding,
 )
 from dghard_cli.lora.adapter import PEFT_PREFIX, AdapterLayout, LoraModule, module_to_save
-from dghard_cli.lora.config import LoraConfig
-from dghard_cli.lora.targets import is_targeted, pattern_key
+from dghard_cli.lora.config import LoraConfig, pattern_key
+from dghard_cli.lora.targets import is_targeted
 
 
 # -- geometry of a module -------------------------------------------------------------------------
