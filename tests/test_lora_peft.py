@@ -600,14 +600,14 @@ def test_sweep_takes_an_adapter_and_writes_the_winner_merged(bases, tmp_path):
 
 
 def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeypatch):
-    import dghard_cli.lora.output as adapter_run
+    import dghard_cli.lora.route_factored as route_factored
     from dghard_cli.errors import Interrupted
 
     base, ft = bases["llama"], full_fts["llama"]
     opts = RepairOptions(run=quiet(), lora=LoraOutputOptions(format="peft"))
     whole = tmp_path / "whole"
     repair(str(base), str(ft), str(whole), opts)
-    real, calls = adapter_run.AdapterOutput._factors, []
+    real, calls = route_factored.factors, []
 
     def flaky(*a, **k):
         calls.append(1)
@@ -615,12 +615,12 @@ def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeyp
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(adapter_run.AdapterOutput, "_factors", staticmethod(flaky))
+    monkeypatch.setattr(route_factored, "factors", flaky)
     out = tmp_path / "out"
     with pytest.raises(Interrupted, match="run the same command again"):
         repair(str(base), str(ft), str(out), opts)
     assert not out.exists() and any(tmp_path.glob(".out.dghard-partial/dghard-spool-*"))
-    monkeypatch.setattr(adapter_run.AdapterOutput, "_factors", staticmethod(real))
+    monkeypatch.setattr(route_factored, "factors", real)
     doc = repair(str(base), str(ft), str(out), opts)
     assert doc["output"]["resumed_units"] >= 5
     name = "adapter_model.safetensors"
