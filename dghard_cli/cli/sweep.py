@@ -10,8 +10,7 @@ import typer
 from rich.console import Console
 
 from dghard_cli.cli.common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, check_failed, emit, run_cli
-from dghard_cli.cli.render import progress_printer, render_sweep
-from dghard_cli.sweep.run import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION, SweepOptions, sweep
+from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 
 SWEEP_EPILOG = """
 **Examples**
@@ -128,7 +127,11 @@ def sweep_cmd(
     an evaluation budget, keep the best by HM, print the command that reproduces it."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
+    from dghard_cli.cli.render import progress_printer, render_sweep
+
     def body() -> dict:
+        from dghard_cli.sweep.run import SweepOptions, sweep
+
         opts = SweepOptions(
             eval_template=eval_cmd,
             targets=_split(target),

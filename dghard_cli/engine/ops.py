@@ -83,7 +83,7 @@ class JobInputs:
 
 #: A per-tensor operation: yields the output's bytes in order (tensors in the output dtype,
 #: whole or in row blocks), and fills ``record`` with its statistics.
-TensorOp = Callable[[TensorJob, JobInputs, dict], Iterator[torch.Tensor]]
+TensorOp = Callable[[TensorJob, JobInputs, dict], Iterator["torch.Tensor"]]
 
 
 def base_record(job: TensorJob) -> dict:

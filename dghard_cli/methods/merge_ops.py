@@ -38,7 +38,7 @@ from dghard_cli.methods.topk_stream import StreamingTopK
 from dghard_cli.methods.wise_ft import wise_ft_delta
 
 #: ``exact(i, positions) -> float64 |W_i − W_base|`` at flat positions of the current block.
-BlockExact = Callable[[int, torch.Tensor], torch.Tensor]
+BlockExact = Callable[[int, "torch.Tensor"], "torch.Tensor"]
 
 BLOCK_BYTES = 64 * 1024 * 1024
 

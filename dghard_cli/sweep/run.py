@@ -61,6 +61,7 @@ from dghard_cli.sweep.candidates import (  # noqa: F401 (where the reproduction 
     reproduced_out,
 )
 from dghard_cli.sweep.choose import choose_winner, objective, target_ok
+from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 from dghard_cli.sweep.evaluate import check_template
 from dghard_cli.sweep.lines import bind_entries as bind_lines
 from dghard_cli.sweep.report import FRONTIER_PNG, SCHEMA_VERSION, SweepReport  # noqa: F401 (names of the output)
@@ -69,8 +70,6 @@ from dghard_cli.sweep.steps import EvaluationSteps
 
 SWEEP_REPORT = "sweep_report.json"
 STAGING_SUFFIX = ".dghard-sweep"
-DEFAULT_BUDGET = 16
-DEFAULT_MIN_TARGET_RETENTION = 90.0
 
 
 @dataclass
