@@ -24,13 +24,13 @@ import os as _os
 # setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0"
-
 import sys as _sys  # noqa: E402
 from importlib import import_module as _import_module  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402
 from types import ModuleType as _ModuleType  # noqa: E402
 from typing import TYPE_CHECKING as _TYPE_CHECKING  # noqa: E402
+
+from dghard_cli._version import __version__  # noqa: E402
 
 #: where each public name is defined. Nothing is imported until a name is used (PEP 562), so
 #: ``import dghard_cli`` -- and ``dghard --version`` or ``--help`` -- loads neither torch nor

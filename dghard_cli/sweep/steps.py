@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
