@@ -17,7 +17,7 @@ from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
-from dghard_cli.methods.recipe import top_keys
+from dghard_cli.recipes.recipe import top_keys
 from dghard_cli.sweep.candidates import Candidate, reproduce_argv
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 

@@ -35,8 +35,8 @@ from dghard_cli.engine.plan import PolicyOptions, parse_size
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
-from dghard_cli.methods.schedule import schedule_from_options
 from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.schedule.spec import schedule_from_options
 from dghard_cli.spectral.spectrum import NOISE_RULES, ROUTES, SHRINKERS, ShrinkSpec
 
 #: The layer-strength options, as merge has them (declared once: methods/declare.py COMMON).
