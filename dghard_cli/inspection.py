@@ -31,9 +31,9 @@ from dghard_cli.engine.progress import Progress
 from dghard_cli.engine.runner import inputs_doc
 from dghard_cli.engine.working_memory import check_jobs
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.paths import Output, check_outputs
+from dghard_cli.lora.source import open_ft
 from dghard_cli.methods.dg_hard import delta_spectrum
 from dghard_cli.report import build as report_mod
 from dghard_cli.report import plots

@@ -27,16 +27,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dghard_cli.engine.adapter_run import AdapterOutput, LoraOutputOptions
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.output import check_out_path
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
+from dghard_cli.lora.output import AdapterOutput, LoraOutputOptions
+from dghard_cli.lora.source import open_ft
 from dghard_cli.methods import registry
 from dghard_cli.methods.calibration import RecallOptions, recall_weights
 from dghard_cli.methods.merge_ops import WHOLE_BYTES

@@ -13,12 +13,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dghard_cli.engine.adapter_run import AdapterOutput, LoraOutputOptions
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_source import open_ft
 from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.lora.output import AdapterOutput, LoraOutputOptions
+from dghard_cli.lora.source import open_ft
 from dghard_cli.methods.dg_hard import SpectralFilterOp, default_block_bytes
 from dghard_cli.schedule.bind import bind as bind_schedule
 from dghard_cli.schedule.bind import scheduled_eligibility

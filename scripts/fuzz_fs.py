@@ -440,8 +440,8 @@ def execute(root: Path) -> None:
         audit_lora(str(root / "adapter"))
         return
     if plan["target"] in ("adapter-out", "adapter-full"):
-        from dghard_cli.engine.adapter_run import LoraOutputOptions
         from dghard_cli.engine.runner import RunOptions
+        from dghard_cli.lora.output import LoraOutputOptions
         from dghard_cli.merge import MergeOptions, merge
 
         lora = LoraOutputOptions(merge=plan["target"] == "adapter-full")
@@ -503,7 +503,7 @@ def check(root: Path, kind: str, outcome: str) -> str | None:
         except InputError as exc:
             return f"OUT does not verify: {exc}"
     else:
-        from dghard_cli.io.lora_adapter import open_adapter
+        from dghard_cli.lora.adapter import open_adapter
 
         try:
             open_adapter(str(out)).weights.close()

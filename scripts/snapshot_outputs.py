@@ -16,6 +16,7 @@ run-dependent fields (times, memory, paths, dates, hosts) removed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import re
@@ -24,11 +25,12 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's dghard_cli, whatever is installed
 TINY = REPO / "examples" / "tiny"
 
 #: report keys whose values differ from run to run on unchanged code
 VOLATILE = re.compile(
-    r"(time|seconds|elapsed|duration|rss|memory|date|created|host|pid|started|finished|"
+    r"(time|timing|seconds|elapsed|duration|rss|memory|date|created|host|pid|started|finished|"
     r"path|dir|argv|command|cwd|version|bytes|eta|speed|_s$)",
     re.I,
 )
@@ -46,13 +48,12 @@ def _scrub(value, root: str):
 
 def fingerprint(path: Path, root: Path) -> str:
     data = path.read_bytes()
-    if path.suffix == ".json" and ("report" in path.name or "sweep" in path.name):
-        try:
-            doc = json.loads(data)
-        except ValueError:
-            pass
-        else:
-            data = json.dumps(_scrub(doc, str(root)), sort_keys=True).encode()
+    if path.suffix == ".json":
+        text = data.decode("utf-8", "replace")
+        if "report" in path.name or "sweep" in path.name:
+            with contextlib.suppress(ValueError):
+                text = json.dumps(_scrub(json.loads(text), str(root)), sort_keys=True)
+        data = text.replace(str(root), "<ROOT>").encode()
     elif path.suffix in (".md", ".txt", ".yaml", ".html", ".log", ".sh"):
         text = data.decode("utf-8", "replace").replace(str(root), "<ROOT>")
         text = re.sub(r"\d+(\.\d+)? ?(s|ms|MiB|MB|GB|GiB)\b", "<n>", text)
@@ -83,6 +84,8 @@ def main() -> int:
     def run(name: str, *argv: str, out: Path | None = None) -> None:
         res = runner.invoke(app, [str(a) for a in argv], catch_exceptions=False)
         results.append(f"{name}: exit {res.exit_code}")
+        if res.exit_code not in (0, 1):  # 1: a gate or check that failed, itself an output
+            print(f"{name}: exit {res.exit_code}: {res.stderr.strip()}", file=sys.stderr)
         if out is not None:
             outputs.append(out)
         (root / "stdout").mkdir(exist_ok=True)
@@ -97,11 +100,32 @@ def main() -> int:
     ad2, _, _ = make_adapter(root / "ad2", cfg, r=4, targets=("q_proj", "v_proj", "up_proj"), seed=2)
     tb, tf = TINY / "base", TINY / "ft"
     o = root / "out"
+    o.mkdir()
 
     run("repair", "repair", tb, tf, o / "repair", "-q", out=o / "repair")
     for shrink in ("soft", "optimal"):
-        run(f"repair-{shrink}", "repair", tb, tf, o / f"repair-{shrink}", "--shrink", shrink, "-q", out=o / f"repair-{shrink}")
-    run("repair-lines", "repair", tb, tf, o / "repair-lines", "--lines", "0.3,0.6", "-q", out=o / "repair-lines")
+        run(
+            f"repair-{shrink}",
+            "repair",
+            tb,
+            tf,
+            o / f"repair-{shrink}",
+            "--shrink",
+            shrink,
+            "-q",
+            out=o / f"repair-{shrink}",
+        )
+    run(
+        "repair-lines",
+        "repair",
+        tb,
+        tf,
+        o / "repair-lines",
+        "--lines",
+        "0.3,0.6",
+        "-q",
+        out=o / "repair-lines",
+    )
     run("repair-bf16", "repair", tb, tf, o / "repair-bf16", "--dtype", "bf16", "-q", out=o / "repair-bf16")
     merges = [
         ("wise-ft", [ft1], ["--alpha", "0.4"]),
@@ -120,10 +144,51 @@ def main() -> int:
         d = o / f"merge-{i}-{method}"
         run(f"merge-{i}-{method}", "merge", "--method", method, *extra, base, *fts, "--out", d, "-q", out=d)
     # adapters: in, out, merged
-    run("ad-wise", "merge", "--method", "wise-ft", "--alpha", "0.5", base, ad1, "--out", o / "ad-wise", "-q", out=o / "ad-wise")
+    run(
+        "ad-wise",
+        "merge",
+        "--method",
+        "wise-ft",
+        "--alpha",
+        "0.5",
+        base,
+        ad1,
+        "--out",
+        o / "ad-wise",
+        "-q",
+        out=o / "ad-wise",
+    )
     run("ad-lines", "repair", base, ad1, o / "ad-lines", "--lines", "0.3,0.6", "-q", out=o / "ad-lines")
-    run("ad-merge", "merge", "--method", "task-arithmetic", base, ad1, "--out", o / "ad-merge", "--merge", "-q", out=o / "ad-merge")
-    run("ad-ties", "merge", "--method", "ties", "--weights", "1,1", base, ad1, ad2, "--out", o / "ad-ties", "--rank", "8", "-q", out=o / "ad-ties")
+    run(
+        "ad-merge",
+        "merge",
+        "--method",
+        "task-arithmetic",
+        base,
+        ad1,
+        "--out",
+        o / "ad-merge",
+        "--merge",
+        "-q",
+        out=o / "ad-merge",
+    )
+    run(
+        "ad-ties",
+        "merge",
+        "--method",
+        "ties",
+        "--weights",
+        "1,1",
+        base,
+        ad1,
+        ad2,
+        "--out",
+        o / "ad-ties",
+        "--rank",
+        "8",
+        "-q",
+        out=o / "ad-ties",
+    )
     run("full-peft", "repair", base, ft1, o / "full-peft", "--format", "peft", "-q", out=o / "full-peft")
     # read-only commands
     run("inspect", "inspect", tb, tf, "--json")
@@ -137,7 +202,18 @@ def main() -> int:
     (ev / "base.json").write_text(json.dumps({"results": {"a": {"acc": 0.6}, "b": {"acc": 0.7}}}))
     (ev / "ft.json").write_text(json.dumps({"results": {"a": {"acc": 0.4}, "b": {"acc": 0.9}}}))
     (ev / "c.json").write_text(json.dumps({"results": {"a": {"acc": 0.55}, "b": {"acc": 0.85}}}))
-    run("score", "score", "--base", ev / "base.json", "--ft", ev / "ft.json", "--candidate", f"c={ev / 'c.json'}", "--targets", "b")
+    run(
+        "score",
+        "score",
+        "--base",
+        ev / "base.json",
+        "--ft",
+        ev / "ft.json",
+        "--candidate",
+        f"c={ev / 'c.json'}",
+        "--target",
+        "b",
+    )
     stand_in = REPO / "examples" / "sweep" / "stand_in_eval.py"
     run(
         "sweep", "sweep", tb, tf, o / "sweep", "--budget", "4", "-q",

@@ -20,15 +20,15 @@ from safetensors.torch import load_file
 from dghard_cli.audit.auditor import AuditOptions, audit_lora
 from dghard_cli.audit.findings import CODES
 from dghard_cli.errors import InputError
-from dghard_cli.io.lora_config import LoraConfig
-from dghard_cli.io.lora_targets import is_targeted, layer_index, pattern_key
-from dghard_cli.spectral.lora import (
+from dghard_cli.lora.config import LoraConfig, pattern_key
+from dghard_cli.lora.spectra import (
     dense_blocks,
     effective_rank,
     intruder_dimensions,
     lowrank_spectrum,
     spectrum_stats,
 )
+from dghard_cli.lora.targets import is_targeted, layer_index
 from dghard_cli.testing.synthetic import ArchConfig, make_pair, write_checkpoint
 from dghard_cli.testing.synthetic_lora import LINEAR_TARGETS, PREFIX, make_adapter, write_adapter
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import f64
 
-from dghard_cli.io.peft_writer import adapter_config, module_names, pattern_key, target_modules
+from dghard_cli.lora.writer import adapter_config, module_names, pattern_key, target_modules
 from dghard_cli.spectral.lowrank import factorize, factorize_product
 
 
@@ -102,9 +102,9 @@ def test_target_modules_list_or_regex():
 
 def test_adapter_view_reads_in_blocks_the_same(tmp_path, monkeypatch):
     """An adapted tensor read whole, in small compute blocks, or by rows gives the same bytes."""
-    import dghard_cli.io.adapter_view as src
-    from dghard_cli.io.adapter_source import open_ft
+    import dghard_cli.lora.view as src
     from dghard_cli.io.hub import open_checkpoint
+    from dghard_cli.lora.source import open_ft
     from dghard_cli.testing.synthetic import ArchConfig, make_pair
     from dghard_cli.testing.synthetic_lora import make_adapter
 
@@ -128,9 +128,9 @@ def test_adapter_view_reads_in_blocks_the_same(tmp_path, monkeypatch):
 
 
 def test_large_updates_spill_to_disk_and_give_the_same_adapter(tmp_path, monkeypatch):
-    import dghard_cli.engine.adapter_factored as factored
-    from dghard_cli.engine.adapter_run import LoraOutputOptions
+    import dghard_cli.lora.route_factored as factored
     from dghard_cli.engine.runner import RunOptions
+    from dghard_cli.lora.output import LoraOutputOptions
     from dghard_cli.repair import RepairOptions, repair
     from dghard_cli.testing.synthetic import ArchConfig, make_pair
 

@@ -37,11 +37,11 @@ from transformers import (  # noqa: E402
 )
 
 from dghard_cli.audit.auditor import audit_lora  # noqa: E402
-from dghard_cli.engine.adapter_run import LoraOutputOptions  # noqa: E402
 from dghard_cli.engine.runner import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.inspection import InspectOptions, inspect_pair  # noqa: E402
-from dghard_cli.io.lora_config import KNOWN_KEYS  # noqa: E402
+from dghard_cli.lora.config import KNOWN_KEYS  # noqa: E402
+from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
 from dghard_cli.merge import MergeOptions, merge  # noqa: E402
 from dghard_cli.repair import RepairOptions, repair  # noqa: E402
 from dghard_cli.spectral.spectrum import ShrinkSpec  # noqa: E402
@@ -600,14 +600,14 @@ def test_sweep_takes_an_adapter_and_writes_the_winner_merged(bases, tmp_path):
 
 
 def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeypatch):
-    import dghard_cli.engine.adapter_run as adapter_run
+    import dghard_cli.lora.route_factored as route_factored
     from dghard_cli.errors import Interrupted
 
     base, ft = bases["llama"], full_fts["llama"]
     opts = RepairOptions(run=quiet(), lora=LoraOutputOptions(format="peft"))
     whole = tmp_path / "whole"
     repair(str(base), str(ft), str(whole), opts)
-    real, calls = adapter_run.AdapterOutput._factors, []
+    real, calls = route_factored.factors, []
 
     def flaky(*a, **k):
         calls.append(1)
@@ -615,12 +615,12 @@ def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeyp
             raise KeyboardInterrupt
         return real(*a, **k)
 
-    monkeypatch.setattr(adapter_run.AdapterOutput, "_factors", staticmethod(flaky))
+    monkeypatch.setattr(route_factored, "factors", flaky)
     out = tmp_path / "out"
     with pytest.raises(Interrupted, match="run the same command again"):
         repair(str(base), str(ft), str(out), opts)
     assert not out.exists() and any(tmp_path.glob(".out.dghard-partial/dghard-spool-*"))
-    monkeypatch.setattr(adapter_run.AdapterOutput, "_factors", staticmethod(real))
+    monkeypatch.setattr(route_factored, "factors", real)
     doc = repair(str(base), str(ft), str(out), opts)
     assert doc["output"]["resumed_units"] >= 5
     name = "adapter_model.safetensors"

@@ -51,9 +51,9 @@ from dghard_cli.audit.tensor_checks import (
 )
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.errors import InputError
-from dghard_cli.io.lora_adapter import classify_tensors, open_adapter
-from dghard_cli.io.lora_config import LoraConfig, parse_config
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
+from dghard_cli.lora.adapter import classify_tensors, open_adapter
+from dghard_cli.lora.config import LoraConfig, parse_config
 
 SCHEMA_VERSION = 1
 

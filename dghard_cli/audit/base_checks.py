@@ -29,14 +29,14 @@ from dghard_cli.audit.tensor_checks import (
 )
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
-from dghard_cli.io.lora_adapter import AdapterLayout
-from dghard_cli.io.lora_config import LoraConfig
-from dghard_cli.io.lora_targets import is_targeted
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
-from dghard_cli.spectral.lora import (
+from dghard_cli.lora.adapter import AdapterLayout
+from dghard_cli.lora.config import LoraConfig
+from dghard_cli.lora.spectra import (
     BlockSource,
     intruder_dimensions,
 )
+from dghard_cli.lora.targets import is_targeted
 
 if TYPE_CHECKING:  # the options are defined with the audit, which calls these checks
     from dghard_cli.audit.auditor import AuditOptions

@@ -13,9 +13,9 @@ from dghard_cli.audit.findings import (
     Finding,
     finding,
 )
-from dghard_cli.io.lora_adapter import PEFT_PREFIX, AdapterLayout, LoraModule, module_to_save
-from dghard_cli.io.lora_config import LoraConfig
-from dghard_cli.io.lora_targets import is_targeted, pattern_key
+from dghard_cli.lora.adapter import PEFT_PREFIX, AdapterLayout, LoraModule, module_to_save
+from dghard_cli.lora.config import LoraConfig, pattern_key
+from dghard_cli.lora.targets import is_targeted
 
 
 # -- geometry of a module -------------------------------------------------------------------------

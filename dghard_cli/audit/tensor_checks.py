@@ -18,10 +18,10 @@ from dghard_cli.audit.findings import (
     finding,
 )
 from dghard_cli.io.checkpoint import TensorInfo
-from dghard_cli.io.lora_adapter import LoraModule
-from dghard_cli.io.lora_config import LoraConfig
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES, UNIT_ROUNDOFF
-from dghard_cli.spectral.lora import (
+from dghard_cli.lora.adapter import LoraModule
+from dghard_cli.lora.config import LoraConfig
+from dghard_cli.lora.spectra import (
     lowrank_spectrum,
     spectrum_stats,
 )

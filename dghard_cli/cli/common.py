@@ -24,10 +24,10 @@ from dghard_cli._version import __version__
 from dghard_cli.cli import interrupts
 from dghard_cli.cli.interrupts import InterruptGuard
 from dghard_cli.cli.progress import RichBar
-from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.memory import limit_allocator_retention
 from dghard_cli.engine.progress import set_terminal_bar
 from dghard_cli.errors import CheckFailed, DGHardError
+from dghard_cli.lora.output import LoraOutputOptions
 
 set_terminal_bar(RichBar)  # the engine counts; on a terminal the command line shows a rich bar
 

@@ -1,1 +1,1 @@
-"""The spectral core: Marchenko–Pastur, the delta spectrum and its cut, shrinkers, LoRA spectra (pure float64 math)."""
+"""The spectral core: Marchenko–Pastur, the delta spectrum and its cut, shrinkers (pure float64 math)."""

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
+from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
 from dghard_cli.repair import RepairOptions, repair

@@ -41,13 +41,13 @@ from pathlib import Path
 
 from dghard_cli._version import __version__
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
-from dghard_cli.io.adapter_source import is_adapter, open_ft
 from dghard_cli.io.atomic import swap_dir_into_place
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.lock import OutLock
 from dghard_cli.io.output import check_out_path
 from dghard_cli.io.paths import Output, check_outputs
+from dghard_cli.lora.source import is_adapter, open_ft
 from dghard_cli.score.metrics import score_candidates
 from dghard_cli.score.results import MetricRule, ResultFile, Score
 from dghard_cli.sweep import integrity

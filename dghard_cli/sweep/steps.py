@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 from dghard_cli._version import __version__
-from dghard_cli.engine.adapter_run import LoraOutputOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_source import is_adapter
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.files import read_json, realpath
+from dghard_cli.lora.output import LoraOutputOptions
+from dghard_cli.lora.source import is_adapter
 from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.score.results import ResultFile, read_results
 from dghard_cli.sweep import integrity

@@ -5,11 +5,11 @@ shapes, orientation, DoRA magnitude, ``lora_bias``), a tied output layer's alias
 the view's tensor table built.
 
 :class:`AdapterReading` is the reading half of
-:class:`~dghard_cli.io.adapter_source.AdapterCheckpoint` (its ``_discover``, which
+:class:`~dghard_cli.lora.source.AdapterCheckpoint` (its ``_discover``, which
 :class:`~dghard_cli.io.checkpoint.Checkpoint` calls when it opens); it uses the attributes
 ``AdapterCheckpoint.__init__`` sets (``adapter``, ``base``, ``modules``, ``full``, ``cfg``).
-Relies on :mod:`dghard_cli.io.lora_adapter` and :mod:`dghard_cli.io.lora_config` for the files
-and :mod:`dghard_cli.io.adapter_view` for the computed tensors.
+Relies on :mod:`dghard_cli.lora.adapter` and :mod:`dghard_cli.lora.config` for the files
+and :mod:`dghard_cli.lora.view` for the computed tensors.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import torch
 
 from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_view import ModuleDelta, _computed
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
-from dghard_cli.io.lora_adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, classify_tensors
-from dghard_cli.io.lora_config import ADAPTER_CONFIG, LoraConfig, parse_config
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
+from dghard_cli.lora.adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, classify_tensors
+from dghard_cli.lora.config import ADAPTER_CONFIG, LoraConfig, parse_config
+from dghard_cli.lora.view import ModuleDelta, _computed
 
 #: transformers model types whose attention/MLP layers are Conv1D (weights stored ``in x out``).
 CONV1D_MODEL_TYPES = frozenset({"gpt2", "openai-gpt", "imagegpt", "decision_transformer", "clvp"})
@@ -52,7 +52,7 @@ WEIGHT_KEYS |= {"rank_pattern", "alpha_pattern"}
 
 
 class AdapterReading(Checkpoint):
-    """How :class:`~dghard_cli.io.adapter_source.AdapterCheckpoint` builds its tensors from the
+    """How :class:`~dghard_cli.lora.source.AdapterCheckpoint` builds its tensors from the
     adapter and BASE (every refusal a one-line :class:`InputError` naming the module)."""
 
     # -- building the view ------------------------------------------------------------------------

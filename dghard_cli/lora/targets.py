@@ -1,36 +1,18 @@
 """Which modules a LoRA config targets, with PEFT's own matching rules: ``target_modules``
-(suffix list, a full regex or ``all-linear``), ``layers_to_transform``/``layers_pattern``, and
-the ``rank_pattern``/``alpha_pattern`` keys."""
+(suffix list, a full regex or ``all-linear``), ``exclude_modules`` and
+``layers_to_transform``/``layers_pattern``. (The ``rank_pattern``/``alpha_pattern`` keys are
+matched in :mod:`dghard_cli.lora.config`, which owns those keys.)"""
 
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from dghard_cli.architecture import OUTPUT_LAYER_NAMES
-from dghard_cli.io.patterns import bounded, peft_fullmatch, peft_key_match
-
-if TYPE_CHECKING:  # the config module uses pattern_key from here
-    from dghard_cli.io.lora_config import LoraConfig
+from dghard_cli.io.patterns import bounded, peft_fullmatch
+from dghard_cli.lora.config import LoraConfig
 
 
 # -- PEFT's name matching ---------------------------------------------------------------------------
-def pattern_key(patterns: dict, module: str) -> str | None:
-    """The first ``rank_pattern``/``alpha_pattern`` key that matches ``module``, as PEFT does.
-
-    A key matches when it matches a dot-separated suffix of the module name as a regex:
-    ``re.match(rf"(.*\\.)?({key})$", module)``; the first key in file order wins.
-    """
-    for key in patterns:
-        try:
-            with bounded(f"rank_pattern/alpha_pattern key {key!r}", key):
-                if peft_key_match(key, module):
-                    return key
-        except re.error:
-            continue
-    return None
-
-
 def list_matches(entries: list[str], module: str) -> bool:
     return module in entries or any(module.endswith("." + e) for e in entries)
 

@@ -33,8 +33,8 @@ from pathlib import Path
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo, _safe_member, allowed_root, read_json_file
 from dghard_cli.io.hub import resolve_dir
-from dghard_cli.io.lora_config import ADAPTER_CONFIG, MAX_CONFIG_BYTES, PICKLE_HINT, LoraConfig
-from dghard_cli.io.lora_targets import list_matches
+from dghard_cli.lora.config import ADAPTER_CONFIG, MAX_CONFIG_BYTES, PICKLE_HINT, LoraConfig
+from dghard_cli.lora.targets import list_matches
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."

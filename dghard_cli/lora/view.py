@@ -4,7 +4,7 @@ included) and :class:`ComputedTensorInfo` (a tensor whose float32 bytes are comp
 in row blocks of at most ``COMPUTE_BLOCK_BYTES`` of float64).
 
 Relies only on :class:`~dghard_cli.io.checkpoint.TensorInfo` (reading the stored factors).
-:mod:`dghard_cli.io.adapter_source` is the public entry and gives the formulas.
+:mod:`dghard_cli.lora.source` is the public entry and gives the formulas.
 """
 
 from __future__ import annotations

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import difflib
 import math
+import re
 from dataclasses import dataclass, field
 
 from dghard_cli.audit.findings import Finding, finding
 from dghard_cli.errors import InputError
-from dghard_cli.io.lora_targets import pattern_key
-from dghard_cli.io.patterns import pattern_problem, reset_budgets
+from dghard_cli.io.patterns import bounded, pattern_problem, peft_key_match, reset_budgets
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -82,6 +82,23 @@ KNOWN_KEYS = frozenset(
         "ensure_weight_tying",
     }
 )
+
+
+# -- PEFT's rank_pattern / alpha_pattern matching ---------------------------------------------------
+def pattern_key(patterns: dict, module: str) -> str | None:
+    """The first ``rank_pattern``/``alpha_pattern`` key that matches ``module``, as PEFT does.
+
+    A key matches when it matches a dot-separated suffix of the module name as a regex:
+    ``re.match(rf"(.*\\.)?({key})$", module)``; the first key in file order wins.
+    """
+    for key in patterns:
+        try:
+            with bounded(f"rank_pattern/alpha_pattern key {key!r}", key):
+                if peft_key_match(key, module):
+                    return key
+        except re.error:
+            continue
+    return None
 
 
 # -- config ---------------------------------------------------------------------------------------

@@ -29,8 +29,8 @@ Anything whose update is not this (VeLoRA, aLoRA, BD-LoRA, KaSA, Arrow, QA-LoRA,
 tokens, LoRA on parameters, layer replication, PiSSA/OLoRA/CorDA/LoftQ adapters that still need
 their converted base, Conv LoRA, DoRA on embeddings or Conv1D) is refused with a one-line reason.
 
-The code is in three modules: :mod:`dghard_cli.io.adapter_view` (the computed tensors),
-:mod:`dghard_cli.io.adapter_reading` (the adapter's config and factors read and checked against
+The code is in three modules: :mod:`dghard_cli.lora.view` (the computed tensors),
+:mod:`dghard_cli.lora.reading` (the adapter's config and factors read and checked against
 BASE) and this one (:class:`AdapterCheckpoint`, :func:`open_ft`).
 """
 
@@ -39,12 +39,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from dghard_cli.errors import InputError
-from dghard_cli.io.adapter_reading import CONV1D_MODEL_TYPES, AdapterReading
-from dghard_cli.io.adapter_view import ComputedTensorInfo, ModuleDelta
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo, path_exists
 from dghard_cli.io.hub import resolve_dir
-from dghard_cli.io.lora_adapter import PEFT_PREFIX, Adapter, open_adapter
-from dghard_cli.io.lora_config import ADAPTER_CONFIG, LoraConfig
+from dghard_cli.lora.adapter import PEFT_PREFIX, Adapter, open_adapter
+from dghard_cli.lora.config import ADAPTER_CONFIG, LoraConfig
+from dghard_cli.lora.reading import CONV1D_MODEL_TYPES, AdapterReading
+from dghard_cli.lora.view import ComputedTensorInfo, ModuleDelta
 
 __all__ = [
     "CONV1D_MODEL_TYPES",
@@ -109,7 +109,7 @@ class AdapterCheckpoint(AdapterReading):
         """Where a full checkpoint written from this view takes its side files: BASE's config,
         generation config and tokenizer, then the adapter's own tokenizer or chat template files
         (a fine-tune's, which win), never the adapter's config."""
-        from dghard_cli.io.peft_writer import TOKENIZER_FILE
+        from dghard_cli.lora.writer import TOKENIZER_FILE
 
         base_skip = set(self.base.shards) | ({self.base.index_file} if self.base.index_file else set())
         adapter_skip = {p.name for p in Path(self.adapter.path).iterdir() if not TOKENIZER_FILE.match(p.name)}

@@ -14,9 +14,10 @@
 - an update that is not low-rank (TIES, DARE, strengths of full fine-tunes, RECALL, ``twoknob``
   with a bulk weight) written as an adapter needs ``--rank R``.
 
-Two ways to the adapter (written by :class:`~dghard_cli.io.peft_writer.AdapterStage`; each in its
-own module, :mod:`~dghard_cli.engine.adapter_exact` and :mod:`~dghard_cli.engine.adapter_factored`,
-assembled into PEFT's layout by :mod:`~dghard_cli.engine.adapter_assemble`):
+Two ways to the adapter (written by :class:`~dghard_cli.lora.writer.AdapterStage`; each in its
+own module, :mod:`~dghard_cli.lora.route_exact` and :mod:`~dghard_cli.lora.route_factored`,
+assembled into PEFT's layout by :mod:`~dghard_cli.lora.assemble`; :meth:`AdapterOutput.write`
+gives each the run's :class:`~dghard_cli.lora.context.RouteContext`, built once):
 
 - **exact** — a method linear in the task vectors, ``W = W_base + Σ_i c_i(tensor)·Δ_i`` (WiSE-FT:
   ``c = α``; task arithmetic: ``c_i = λ·w_i``; see :func:`linear_coefficients`), on fine-tunes
@@ -42,9 +43,6 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.engine.adapter_assemble import Assembly
-from dghard_cli.engine.adapter_exact import ExactRoute
-from dghard_cli.engine.adapter_factored import FactoredRoute
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp
 from dghard_cli.engine.plan import Plan
@@ -58,12 +56,16 @@ from dghard_cli.engine.runner import (
     write_report_outside,
 )
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
-from dghard_cli.io.adapter_source import is_adapter
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.output import check_out_path
-from dghard_cli.io.peft_writer import ADAPTER_FILES, AdapterStage, tokenizer_files
+from dghard_cli.lora.assemble import assemble
+from dghard_cli.lora.card import adapter_card
+from dghard_cli.lora.context import RouteContext, input_ranks
+from dghard_cli.lora.route_exact import exact_units
+from dghard_cli.lora.route_factored import factored_units
+from dghard_cli.lora.source import is_adapter
+from dghard_cli.lora.writer import ADAPTER_FILES, AdapterStage, tokenizer_files
 from dghard_cli.report import build as report_mod
-from dghard_cli.report.adapter_card import adapter_card
 
 FORMATS = ("auto", "full", "peft")
 #: Methods whose update is not low-rank for full fine-tunes: ``--format peft`` needs ``--rank``.
@@ -149,7 +151,7 @@ def degenerate_message(ft: Checkpoint, command: str) -> str:
     )
 
 
-class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
+class AdapterOutput:
     """The output decisions of one run, and the adapter writer when the format is ``peft``."""
 
     def __init__(
@@ -229,12 +231,12 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
         With ``strengths`` the exact route scales each module's B (and each full tensor's update) by
         its λ(ℓ); the factored route gets the schedule through ``make_op`` (``schedule.wrap``)."""
         t_start = time.perf_counter()
-        self._run_coefficients = self.coefficients
-        self._lam: dict[str, tuple] = {}
+        run_coefficients = self.coefficients
+        layer_strengths: dict[str, tuple] = {}
         if strengths is not None and self.coefficients is not None:
-            self._lam = {j.name: (j.layer, j.strength) for j in plan.jobs if j.strength is not None}
-            lam = {name: strength for name, (_, strength) in self._lam.items()}
-            self._run_coefficients = scheduled_coefficients(self.coefficients, lam, strengths)
+            layer_strengths = {j.name: (j.layer, j.strength) for j in plan.jobs if j.strength is not None}
+            lam = {name: strength for name, (_, strength) in layer_strengths.items()}
+            run_coefficients = scheduled_coefficients(self.coefficients, lam, strengths)
         schedule_doc = {"layer_strengths": strengths.report()} if strengths is not None else {}
         base, fts = self.base, self.fts
         for j in plan.jobs:
@@ -290,18 +292,28 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
             inputs=[base.path, *[f.path for f in fts]],
             overwrite=run.overwrite,
         )
-        self._factor_dtype = self.out_dtype or "F32"
+        ctx = RouteContext(
+            base=base,
+            fts=tuple(fts),
+            exact=self.exact,
+            rank=self.lora.rank,
+            factor_dtype=self.out_dtype or "F32",
+            out_dtype=self.out_dtype,
+            coefficients=run_coefficients,
+            layer_strengths=layer_strengths,
+            input_ranks=input_ranks(fts),
+        )
+        written: dict = {}  # the report document, once documents() has built it
         timings: dict = {}
         t0 = time.perf_counter()
         try:
             if self.exact:
-                units = self._exact_units(stage)
+                units = exact_units(ctx, stage)
             else:
-                self._stage = stage
-                units = self._factored_units(stage, plan, make_op(device), device, run)
+                units = factored_units(ctx, stage, plan, make_op(device), device, run)
             timings["compute"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            items, config, summary = self._assemble(stage, units)
+            items, config, summary = assemble(ctx, stage, units)
             records = [rec for _, rec in units]
 
             def documents(output: dict) -> dict[str, str]:
@@ -323,7 +335,7 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
                     extra={"adapter": summary, "adapter_config": config, **schedule_doc},
                     **common,
                 )
-                self._doc = doc
+                written["doc"] = doc
                 docs = {"README.md": adapter_card(doc)}
                 if rel_report is not None:  # the default OUT/dghard_report.json, or --report inside OUT
                     docs[rel_report] = json.dumps(doc, indent=2) + "\n"
@@ -349,8 +361,8 @@ class AdapterOutput(ExactRoute, FactoredRoute, Assembly):
             ) from None
         finally:  # OUT's lock goes with the run, whatever ended it (finish() released it already)
             stage.stage.lock.release()
-        write_report_outside(Path(out), abs_report, self._doc)
-        return self._doc
+        write_report_outside(Path(out), abs_report, written["doc"])
+        return written["doc"]
 
     def _tokenizer_dirs(self) -> list[Path]:
         return [f.path for f in self.fts[:1]]

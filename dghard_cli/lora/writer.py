@@ -35,10 +35,10 @@ import torch
 
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import TensorInfo
-from dghard_cli.io.lora_adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterWeights
-from dghard_cli.io.lora_config import ADAPTER_CONFIG
 from dghard_cli.io.output import OutputStage, ShardRecord, check_out_path
 from dghard_cli.io.safetensors_format import DTYPES
+from dghard_cli.lora.adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterWeights
+from dghard_cli.lora.config import ADAPTER_CONFIG
 
 SPOOL_PREFIX = "dghard-spool-"
 _TORCH_TO_ST = {v[1]: k for k, v in DTYPES.items() if v[1] is not None and k not in ("U16", "U32", "U64")}
