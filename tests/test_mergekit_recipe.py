@@ -23,8 +23,8 @@ from typer.testing import CliRunner
 from dghard_cli.cli import app
 from dghard_cli.errors import InputError
 from dghard_cli.methods.dare import CHUNK
-from dghard_cli.methods.mergekit_recipe import translate
-from dghard_cli.methods.recipe import load_recipe
+from dghard_cli.recipes.mergekit import translate
+from dghard_cli.recipes.recipe import load_recipe
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)

@@ -22,7 +22,7 @@ from reference import ref_weights
 
 from dghard_cli.errors import InputError
 from dghard_cli.sweep.candidate_file import load_candidates, parse_candidates
-from dghard_cli.sweep.candidates import make_candidate
+from dghard_cli.sweep.family_dispatch import make_candidate
 from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
 from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_candidate, refine_probe
 from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise
@@ -752,7 +752,7 @@ def test_every_family_is_reproduced_by_its_printed_command(pair, tmp_path, entry
     from typer.testing import CliRunner
 
     from dghard_cli.cli import app
-    from dghard_cli.sweep.candidates import reproduce_argv, write_candidate
+    from dghard_cli.sweep.family_dispatch import reproduce_argv, write_candidate
 
     fts = [str(pair.ft)]
     if n_fts == 2:

@@ -20,7 +20,7 @@ from test_sweep import BUDGET, Pair, ref_hm, ref_layer_strength
 from dghard_cli.errors import InputError
 from dghard_cli.sweep import lines as L
 from dghard_cli.sweep.candidate_file import parse_candidates
-from dghard_cli.sweep.candidates import make_candidate, reproduce_argv, write_candidate
+from dghard_cli.sweep.family_dispatch import make_candidate, reproduce_argv, write_candidate
 from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
 from dghard_cli.sweep.search import coarse_order, next_candidate
 

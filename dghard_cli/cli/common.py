@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.cli import interrupts
 from dghard_cli.cli.interrupts import InterruptGuard
 from dghard_cli.cli.progress import RichBar

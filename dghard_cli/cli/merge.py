@@ -255,7 +255,7 @@ def merge_cmd(**kw) -> None:
         from dghard_cli.io.paths import Output, check_outputs
         from dghard_cli.io.safetensors_format import parse_dtype_option
         from dghard_cli.merge import MergeOptions, merge
-        from dghard_cli.methods.recipe import load_recipe
+        from dghard_cli.recipes.recipe import load_recipe
 
         values: dict = {}
         maps: dict = {}

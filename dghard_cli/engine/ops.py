@@ -102,7 +102,7 @@ def base_record(job: TensorJob) -> dict:
     if job.shared_rows is not None:
         rec["shared_rows"] = job.shared_rows
         rec["base_rows"] = job.base.shape[0] if job.base else None
-    if job.strength is not None:  # a layer-strength schedule (methods/schedule.py)
+    if job.strength is not None:  # a layer-strength schedule (dghard_cli/schedule/)
         rec["layer"], rec["layer_strength"] = job.layer, job.strength
     return rec
 

@@ -224,7 +224,7 @@ class AdapterOutput:
         make_op: Callable[[torch.device], TensorOp],
         run: RunOptions,
         parameters: dict,
-        strengths=None,  # a bound layer-strength schedule (methods/schedule.py), or None
+        strengths=None,  # a bound layer-strength schedule (dghard_cli/schedule/), or None
     ) -> dict:
         """Write the run's result as a PEFT adapter into OUT; returns the report document.
 

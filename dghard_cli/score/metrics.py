@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.score import scales
 from dghard_cli.score.results import ResultFile, Score, ScoreLike, _is_number

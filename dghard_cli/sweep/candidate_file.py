@@ -8,10 +8,11 @@ from importlib import resources
 from pathlib import Path
 
 from dghard_cli.errors import InputError
+from dghard_cli.io.yaml_file import read_yaml_file
 from dghard_cli.methods import registry
-from dghard_cli.methods.recipe import read_yaml_file
-from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, KINDS, FamilyEntry, make_candidate
+from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, KINDS, FamilyEntry
 from dghard_cli.sweep.candidates import is_number as _num
+from dghard_cli.sweep.family_dispatch import make_candidate
 
 MAX_CANDIDATES_BYTES = 1024 * 1024
 

@@ -4,7 +4,7 @@ block ranges and the ``--layer-strengths`` schedule of a per-group point, a cand
 ``dghard repair``.
 
 Relies on :mod:`dghard_cli.sweep.candidates` (the family-independent candidate types and number
-formatting), :mod:`dghard_cli.methods.schedule` (``LayerSchedule``) and :func:`dghard_cli.repair.repair`.
+formatting), :mod:`dghard_cli.schedule.spec` (``LayerSchedule``) and :func:`dghard_cli.repair.repair`.
 :mod:`dghard_cli.sweep.lines` is the public entry and describes the family's search.
 """
 
@@ -17,8 +17,8 @@ from dghard_cli.architecture import place_depth
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
-from dghard_cli.methods.schedule import LayerSchedule, parse_layer_strengths
 from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.schedule.spec import LayerSchedule, parse_layer_strengths
 from dghard_cli.spectral.spectrum import ShrinkSpec
 from dghard_cli.sweep.candidates import Candidate, FamilyEntry, _fmt, round_sig
 

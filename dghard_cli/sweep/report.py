@@ -7,7 +7,7 @@ import math
 import time
 from pathlib import Path
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 
 SCHEMA_VERSION = 1
 FRONTIER_PNG = "sweep_frontier.png"

@@ -39,7 +39,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.atomic import swap_dir_into_place
 from dghard_cli.io.checkpoint import Checkpoint
