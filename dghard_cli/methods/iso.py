@@ -161,7 +161,7 @@ def iso_cts_plan(fraction: float, alpha: float):
         stats = {
             "sigma_mean": float(f"{mean:.10g}"),
             "common_rank": int(sig_c.size),
-            "task_ranks": [int(t.size) for t in taus],
+            "task_ranks": [int(t.size) for t in taus] if taus else [0] * n,
         }
         return Result(left, kernel, rank, max(*amps, zz.amplification, amp_v), stats)
 

@@ -215,14 +215,16 @@ class TallBlocks:
             out = b.addmm_(left(xs), k) if k.shape[0] else b
             if not bool(torch.isfinite(out).all()):
                 raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
-            if job.out_dtype == "F16" and float(out.abs().max()) > 65504.0:
-                raise RuntimeFailure(
-                    f"tensor {job.name!r}: the merged values exceed float16's range; use --dtype bf16 or fp32"
+            cast = out.to(out_dtype)
+            if not bool(torch.isfinite(cast).all()):
+                raise InputError(
+                    f"tensor {job.name!r}: the merged values exceed {job.out_dtype}'s range; lower --alpha "
+                    "or write a wider output (--dtype fp32)"
                 )
             if full is None:
-                yield out.to(out_dtype).cpu()
+                yield cast.cpu()
             else:
-                full[:, c0 : c0 + out.shape[0]] = out.T.to(out_dtype).cpu()
+                full[:, c0 : c0 + out.shape[0]] = cast.T.cpu()
                 c0 += out.shape[0]
         if full is not None:
             yield full
