@@ -113,7 +113,7 @@ def _check_rank(value: Any, method: MergeMethod, n_fts: int) -> int | None:
 def _tsv_op(p: dict, ctx: BuildContext):
     return SubspaceMergeOp(
         "tsv",
-        tsv_plan(p["tsv_rank"], p["alpha"]),
+        tsv_plan(p.get("tsv_rank"), p["alpha"]),
         p["alpha"],
         ctx.device,
         matrix_rule(ctx.options.policy),
@@ -136,6 +136,9 @@ PARAMS = (
         "tsv: singular directions kept per fine-tune and matrix (default ⌊min(m, n)/T⌋ for T fine-tunes).",
         check=_check_rank,
         flag="--tsv-rank",
+        # the default (per matrix) is not a value a command line could repeat: left out, and each
+        # matrix's record says the k it used (``per_task_rank``)
+        describe=lambda value: {} if value is None else {"tsv_rank": value},
     ),
 )
 MERGE_METHODS = (
