@@ -292,8 +292,7 @@ class SubspaceMergeOp:
             {
                 "merge_rule": self.name,
                 "route": ROUTE,
-                "rank": res.rank,
-                "rank_kept": res.rank,  # the factored adapter route factors at this rank
+                "rank": res.rank,  # of Δ* (no ``rank_kept``: that key means a DG-Hard cut to reports)
                 "error_bound": float(f"{bound:.4g}"),
                 **res.stats,
             }
