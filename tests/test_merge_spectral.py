@@ -484,10 +484,32 @@ def test_nonfinite_input_is_refused(tmp_path):
         merge(base, fts, tmp_path / "o2", opts("tsv", policy=_policy(min_numel=0)))
 
 
-def test_working_set_check_covers_the_subspace_merges():
-    from dghard_cli.engine.working_memory import SPECTRAL_MERGES
+@pytest.mark.parametrize("method", ["tsv", "iso-c", "iso-cts"])
+def test_a_matrix_whose_gram_cannot_fit_is_refused_before_any_allocation(tmp_path, method):
+    """A 10^6 × 10^6 bf16 matrix in a sparse file: its 8 TB Gram matrix is refused from the shape."""
+    import os
 
-    assert {"tsv", "iso-c", "iso-cts"} <= SPECTRAL_MERGES
+    rows = cols = 10**6
+    name = "model.layers.0.mlp.up_proj.weight"
+    for d in ("base", "ft"):
+        (tmp_path / d).mkdir()
+        head = json.dumps(
+            {name: {"dtype": "BF16", "shape": [rows, cols], "data_offsets": [0, 2 * rows * cols]}}
+        )
+        raw = head.encode() + b" " * (-len(head) % 8)
+        p = tmp_path / d / "model.safetensors"
+        p.write_bytes(len(raw).to_bytes(8, "little") + raw)
+        try:
+            os.truncate(p, p.stat().st_size + 2 * rows * cols)
+        except OSError:
+            pytest.skip("the file system holds no 2 TB sparse files")
+    res = run_dghard(
+        "merge", "--method", method, tmp_path / "base", tmp_path / "ft", "--out", tmp_path / "o", "--quiet",
+        timeout=120,
+    )  # fmt: skip
+    assert res.returncode == 2 and "needs about" in res.stderr and "Gram matrix" in res.stderr, res.stderr[
+        -500:
+    ]
 
 
 def test_low_rank_deltas_flatten_over_their_rank(tmp_path):
