@@ -89,7 +89,7 @@ def iso_c_plan(alpha: float):
     def plan(blocks: TallBlocks) -> Result:
         _, g = blocks.grams(each=False, total=True)
         assert g is not None
-        v, sig, amp = top_triplets(blocks.spectrum(g), blocks.small)
+        v, sig, amp = top_triplets(blocks.spectrum(g), blocks.small, noise=blocks.noise())
         del g
         mean = float(sig.mean()) if sig.size else 0.0
         scale = torch.as_tensor(alpha * mean / sig, dtype=torch.float64, device=blocks.device)
@@ -112,7 +112,7 @@ def iso_cts_plan(fraction: float, alpha: float):
         k_c, d = split(blocks.small, n, fraction)
         gs, g_sum = blocks.grams(each=d > 0, total=True)
         assert g_sum is not None
-        v_c, sig_c, amp_c = top_triplets(blocks.spectrum(g_sum), k_c)
+        v_c, sig_c, amp_c = top_triplets(blocks.spectrum(g_sum), k_c, noise=blocks.noise())
         del g_sum
         inv_c = torch.as_tensor(1.0 / sig_c, dtype=torch.float64, device=dev)
         amps = [amp_c]
@@ -132,7 +132,9 @@ def iso_cts_plan(fraction: float, alpha: float):
                 p = torch.eye(blocks.small, dtype=torch.float64, device=dev) - v_c @ v_c.T
                 hs = [p @ g @ p for g in gs]
             for i, h in enumerate(hs):
-                w, tau, amp = top_triplets(blocks.spectrum(h), d, reference=max(refs[i], 0.0))
+                w, tau, amp = top_triplets(
+                    blocks.spectrum(h), d, reference=max(refs[i], 0.0), noise=blocks.noise([i])
+                )
                 ws.append(w)
                 taus.append(tau)
                 amps.append(amp)

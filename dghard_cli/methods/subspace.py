@@ -27,7 +27,9 @@ spectrum divide by such σ's, so every matrix records ``error_bound = ε·max(λ
 the Gram matrices whose inverse square root it takes; a matrix whose bound exceeds the output
 dtype's resolution (unit roundoff, float32's at the finest) is refused with a one-line error
 naming it — never written approximately. Singular values at the route's floor (below
-``sqrt(4·M·ε)·σ_max``) are exact zeros: the numerical rank.
+``sqrt(4·M·ε)·σ_max``) are exact zeros: the numerical rank; for a LoRA adapter read as a
+fine-tune (BASE + B·A computed in float32) so are those at its rounding level
+(:meth:`TallBlocks.noise`).
 
 Tensors that are not eligible matrices (1-D norms and biases, 1×N tensors, matrices under
 ``--min-numel``) are averaged, as in both papers: ``W_base + α·mean_i(Δ_i)``.
@@ -45,14 +47,17 @@ import torch
 from dghard_cli.engine.ops import JobInputs, cast_out, passthrough
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
 from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.io.adapter_view import ComputedTensorInfo
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
 from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows, gram_add_, spectrum_from_gram
-from dghard_cli.spectral.spectrum import ROUTE, Spectrum
+from dghard_cli.spectral.spectrum import ROUNDING_STD_FACTOR, ROUTE, Spectrum
 
 EPS64 = float(np.finfo(np.float64).eps)
 #: The finest resolution an output is checked at (float64 outputs: float32's).
 FINEST = 2.0**-24
+#: Safety factor over the predicted largest singular value of a computed adapter's rounding.
+NOISE_EDGE = 4.0
 
 
 # -- pure linear algebra --------------------------------------------------------------------------
@@ -84,7 +89,7 @@ def inv_sqrt_psd(g: torch.Tensor) -> InvSqrt:
 
 
 def top_triplets(
-    spectrum: Spectrum, k: int, reference: float | None = None
+    spectrum: Spectrum, k: int, reference: float | None = None, noise: float = 0.0
 ) -> tuple[torch.Tensor, np.ndarray, float]:
     """The top ``min(k, numerical rank)`` right singular vectors (M × k', float64), their singular
     values, and the amplification ``λ_ref/σ_k'²`` a division by them costs (1 when none).
@@ -92,11 +97,12 @@ def top_triplets(
     ``reference``: the largest eigenvalue of the Gram matrix the spectrum's rounding scales with
     (default its own, σ_1²) — a Gram matrix formed as a difference (Iso-CTS's projected task
     Gram matrices) is only as accurate as the one it was subtracted from; components at or below
-    the route's floor relative to it are zeros."""
+    the route's floor relative to it are zeros. ``noise``: singular values at or below it are
+    zeros too (the rounding of a computed adapter input, :meth:`TallBlocks.noise`)."""
     sigma = spectrum.sigma
     lam_ref = float(sigma[0] ** 2) if reference is None and sigma.size else float(reference or 0.0)
     floor = GRAM_FLOOR * spectrum.small * EPS64 * lam_ref
-    rank = int(np.count_nonzero((sigma > 0) & (sigma**2 > floor)))
+    rank = int(np.count_nonzero((sigma > 0) & (sigma**2 > floor) & (sigma > noise)))
     k = max(0, min(k, rank))
     if k == 0:
         dev = spectrum.gram.device if spectrum.gram is not None else torch.device("cpu")
@@ -150,6 +156,9 @@ class TallBlocks:
         self.shape = (self.rows, self.cols)
         self.big, self.small = max(self.shape), min(self.shape)
         self.step = block_rows(self.small, max(1, block_bytes // (self.n + 2)))
+        #: fine-tunes that are LoRA adapters, read as BASE + B·A computed in float32
+        self.computed = [isinstance(info, ComputedTensorInfo) for info in job.fts]
+        self._sumsq = [0.0] * self.n  # ‖W_i‖² of the computed ones (pass 1)
 
     def _to(self, t: torch.Tensor) -> torch.Tensor:
         # a copy always: blocks are modified in place, and a float64 input's must stay as read
@@ -177,11 +186,16 @@ class TallBlocks:
         zeros = lambda: torch.zeros((m, m), dtype=torch.float64, device=self.device)  # noqa: E731
         gs = [zeros() for _ in range(self.n)] if each else []
         gt = zeros() if total else None
-        for _, xs in self:
+        sumsq = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(self.n)]
+        for b, xs in self:
             for g, x in zip(gs, xs, strict=False):
                 gram_add_(g, x)
             if gt is not None:
                 gram_add_(gt, _sum(xs))
+            for i, x in enumerate(xs):
+                if self.computed[i]:
+                    sumsq[i] += torch.linalg.vector_norm(x + b) ** 2
+        self._sumsq = [float(t) for t in sumsq]
         for g in [*gs, *([gt] if gt is not None else [])]:
             if not bool(torch.isfinite(g).all()):
                 raise NonFiniteInput(
@@ -189,6 +203,22 @@ class TallBlocks:
                     "the checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
                 )
         return gs, gt
+
+    def noise(self, which: Sequence[int] | None = None) -> float:
+        """The largest singular value the float32 rounding of the computed adapter inputs among
+        ``which`` (default all; their sum) can produce: ``NOISE_EDGE·0.4·2⁻²⁴·rms(W_i)·(√N + √M)``
+        combined in quadrature; 0 for stored inputs (their deltas are exact, and both papers use
+        every singular value of them). An adapter's update is exactly low-rank, so what lies at
+        that level is the computation's rounding, not a direction (a flat spectrum or an
+        orthogonalisation would blow it up to full strength)."""
+        idx = range(self.n) if which is None else which
+        edge = math.sqrt(self.big) + math.sqrt(self.small)
+        var = 0.0
+        for i in idx:
+            if self.computed[i]:
+                rms = math.sqrt(self._sumsq[i] / (self.rows * self.cols))
+                var += (ROUNDING_STD_FACTOR * 2.0**-24 * rms * edge) ** 2
+        return NOISE_EDGE * math.sqrt(var)
 
     def spectrum(self, g: torch.Tensor) -> Spectrum:
         return spectrum_from_gram(g, self.shape)

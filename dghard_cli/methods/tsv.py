@@ -77,8 +77,8 @@ def tsv_plan(override: int | None, alpha: float):
         vs: list[torch.Tensor] = []
         sigmas: list[np.ndarray] = []
         amps = [1.0]
-        while grams:
-            v, s, amp = top_triplets(blocks.spectrum(grams.pop(0)), k)
+        for i in range(blocks.n):
+            v, s, amp = top_triplets(blocks.spectrum(grams.pop(0)), k, noise=blocks.noise([i]))
             vs.append(v)
             sigmas.append(s)
             amps.append(amp)
