@@ -22,15 +22,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import f64, load_dir, run_dghard
-from safetensors.torch import load_file
-
-from dghard_cli.engine.adapter_run import LoraOutputOptions
-from dghard_cli.engine.runner import RunOptions
-from dghard_cli.errors import InputError
-from dghard_cli.merge import MergeOptions, merge
-from dghard_cli.methods import registry
 from dghard_cli.methods.recipe import top_keys
 from dghard_cli.methods.schedule import LayerSchedule
+from safetensors.torch import load_file
+
+from dghard_cli.engine.runner import RunOptions
+from dghard_cli.errors import InputError
+from dghard_cli.lora.output import LoraOutputOptions
+from dghard_cli.merge import MergeOptions, merge
+from dghard_cli.methods import registry
 from dghard_cli.testing.synthetic import ArchConfig, make_pair, write_checkpoint
 
 CFG = ArchConfig(hidden_size=48, intermediate_size=100, num_hidden_layers=2, vocab_size=160)

@@ -47,13 +47,13 @@ import torch
 from dghard_cli.engine.ops import JobInputs, cast_out, passthrough
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
 from dghard_cli.errors import InputError, RuntimeFailure
-from dghard_cli.io.adapter_view import ComputedTensorInfo
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
+from dghard_cli.lora.view import ComputedTensorInfo
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
 from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows, gram_add_, spectrum_from_gram
 from dghard_cli.spectral.spectrum import ROUNDING_STD_FACTOR, ROUTE, Spectrum
 
-EPS64 = float(np.finfo(np.float64).eps)
+EPS64 = 2.0**-52  # float64 machine epsilon (np.finfo(np.float64).eps)
 #: The finest resolution an output is checked at (float64 outputs: float32's).
 FINEST = 2.0**-24
 #: Safety factor over the predicted largest singular value of a computed adapter's rounding.
