@@ -22,8 +22,6 @@ import numpy as np
 import pytest
 import torch
 from conftest import f64, load_dir, run_dghard
-from dghard_cli.methods.recipe import top_keys
-from dghard_cli.methods.schedule import LayerSchedule
 from safetensors.torch import load_file
 
 from dghard_cli.engine.runner import RunOptions
@@ -31,6 +29,8 @@ from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.methods import registry
+from dghard_cli.recipes.recipe import top_keys
+from dghard_cli.schedule.spec import LayerSchedule
 from dghard_cli.testing.synthetic import ArchConfig, make_pair, write_checkpoint
 
 CFG = ArchConfig(hidden_size=48, intermediate_size=100, num_hidden_layers=2, vocab_size=160)
