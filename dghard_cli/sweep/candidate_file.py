@@ -19,6 +19,9 @@ MAX_CANDIDATES_BYTES = 1024 * 1024
 DEFAULT_CANDIDATES = "sweep-default.yaml"
 
 
+TOP_KEYS = ("families", "merges")
+
+
 ENTRY_KEYS = ("family", "axis", "grid", "range", "log", "tolerance", "refine", "fixed", "fine_tunes")
 
 
@@ -136,15 +139,22 @@ def check_entry(entry: FamilyEntry, n_fts: int, where: str) -> None:
 
 
 def parse_candidates(doc: object, where: str) -> list[FamilyEntry]:
-    if not isinstance(doc, dict) or "families" not in doc:
-        raise InputError(f"{where}: expected a mapping with a 'families' list")
-    unknown = [k for k in doc if k != "families"]
+    """The entries of a candidate file: its ``families``, then one entry per swept merge method
+    when it has a ``merges:`` block (:mod:`dghard_cli.sweep.merges`)."""
+    if not isinstance(doc, dict) or not ("families" in doc or "merges" in doc):
+        raise InputError(f"{where}: expected a mapping with a 'families' list (and/or a 'merges' block)")
+    unknown = [k for k in doc if k not in TOP_KEYS]
     if unknown:
-        raise InputError(f"{where}: unknown top-level key {unknown[0]!r} (known: families)")
-    fams = doc["families"]
-    if not isinstance(fams, list) or not fams:
+        raise InputError(f"{where}: unknown top-level key {unknown[0]!r} (known: {', '.join(TOP_KEYS)})")
+    fams = doc.get("families", [])
+    if not isinstance(fams, list) or ("families" in doc and not fams):
         raise InputError(f"{where}: 'families' must be a non-empty list")
-    return [parse_entry(raw, i, where) for i, raw in enumerate(fams)]
+    entries = [parse_entry(raw, i, where) for i, raw in enumerate(fams)]
+    if "merges" in doc:
+        from dghard_cli.sweep import merges
+
+        entries += merges.block_entries(merges.parse_block(doc["merges"], where), len(entries))
+    return entries
 
 
 def load_candidates(path: str | Path | None) -> tuple[list[FamilyEntry], str]:

@@ -38,6 +38,8 @@ from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
+from dghard_cli.methods.declare import LINES
+from dghard_cli.methods.schedule import LayerSchedule
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
 
@@ -137,6 +139,10 @@ class FamilyEntry:
     fixed: dict = field(default_factory=dict)
     fine_tunes: str | None = None  # "one" | "several" | "any"; None: the family's default
     index: int = 0  # position in the file (for messages and the report)
+    #: where the entry comes from: "file" (an entry of ``families``), "merges" (made from the
+    #: ``merges:`` block, one per registered merge method), "follow-up" (sweep/merges.py)
+    origin: str = "file"
+    followups: dict | None = None  # "merges" entries: the block's density grid and lines pairs
 
     @property
     def kind(self) -> FamilyKind:
@@ -162,7 +168,7 @@ class FamilyEntry:
         return when == "any" or (when == "one") == (n_fts == 1)
 
     def describe(self) -> dict:
-        return {
+        d = {
             "index": self.index,
             "family": self.family,
             "command": self.kind.command,
@@ -172,9 +178,12 @@ class FamilyEntry:
             "log": self.log,
             "tolerance": self.tolerance,
             "refine": self.refine,
-            "fixed": dict(self.fixed),
+            "fixed": {k: list(v) if isinstance(v, tuple) else v for k, v in self.fixed.items()},
             "fine_tunes": self.fine_tunes or self.kind.default_when,
         }
+        if self.origin != "file":
+            d["origin"] = self.origin
+        return d
 
 
 @dataclass(frozen=True)
@@ -197,7 +206,10 @@ class Candidate:
         extra = [
             f"{k}={_fmt(v)}"
             for k, v in self.params
-            if k not in (self.axis, "shrink", "method", "noise") and v is not None and k in _SHOWN
+            if k not in (self.axis, "shrink", "method", "noise")
+            and v is not None
+            and k in _SHOWN
+            and not (k == "weights" and all(w == 1.0 for w in v))  # the default: not shown
         ]
         return f"{self.family} {self.axis}={_fmt(self.value)}" + (f" ({', '.join(extra)})" if extra else "")
 
@@ -320,6 +332,8 @@ def reproduce_argv(
     for q in registry.scalar_params():
         if q.name in p:
             argv += [q.cli_flag, _fmt(p[q.name])]
+    if "lines" in p:  # a merge under a LiNeS schedule (sweep/merges.py follow-up)
+        argv += [LINES.cli_flag, f"{_fmt(p['lines'][0])},{_fmt(p['lines'][1])}"]
     return argv + [base, *fts, "--out", out] + dev
 
 
@@ -361,4 +375,6 @@ def write_candidate(
         )
         return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
     kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
+    if "lines" in p:
+        kwargs["schedule"] = LayerSchedule(alpha=float(p["lines"][0]), beta=float(p["lines"][1]))
     return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, lora=lora, **kwargs))
