@@ -9,7 +9,7 @@ user's own evaluation command, within a budget of evaluations.
    directory, evaluated, scored with ``score``'s definitions against the references, and
    deleted unless it is the best so far.
 3. **Choice**: the winner maximises HM among the candidates whose every target keeps at least
-   ``min_target_retention`` % of the fine-tune's gain; candidates within ``tie_tolerance``
+   ``min_target_retention`` % of the fine-tune's gain (when a bar is in force); candidates within ``tie_tolerance``
    points of the best HM are tied and the one *closest to the fine-tune* wins: the smallest
    ‖W_c − W_ref‖ / ‖W_ref − W_base‖ over all floating tensors, with W_ref = FT (several
    fine-tunes: W_base + Σ_i Δ_i, every fine-tune's whole update), measured on the written
@@ -21,8 +21,12 @@ user's own evaluation command, within a budget of evaluations.
    modification times and the evaluation template) lets the same command resume without
    evaluating anything twice.
 
-With several fine-tunes the reference "FT" score of a benchmark is the best score any of the
-fine-tunes reached on it (what an ideal merge would keep), with that fine-tune's stderr.
+With several fine-tunes each benchmark is scored against its own expert
+(:mod:`dghard_cli.score.experts`: the best fine-tune on a target or on a benchmark one improved,
+the worst on a skill of the base), the targets count in % retention, there is no target bar
+unless one is given (:func:`effective_bar`), and the ``merges:`` block of the candidate file
+(:mod:`.merges`) makes one strength entry per registered merge method, then follow-ups for the
+best merge (its density, a LiNeS schedule).
 
 The steps live in their own modules: :mod:`.steps` (references and candidates evaluated),
 :mod:`.cache`, :mod:`.choose` (the winner and the distance to the fine-tune), :mod:`.report`;
