@@ -387,3 +387,36 @@ def test_merges_block_errors_name_the_key(block, message):
     with pytest.raises(InputError) as e:
         parse_candidates({"merges": block}, "c.yaml")
     assert message in str(e.value) and str(e.value).startswith("c.yaml: merges")
+
+
+def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
+    from dghard_cli.io.checkpoint import Checkpoint
+    from dghard_cli.sweep import merges
+    from dghard_cli.sweep.candidate_file import load_candidates
+    from dghard_cli.sweep.candidates import make_candidate
+
+    entries, _ = load_candidates(None)
+    (ties,) = [e for e in entries if e.family == "ties" and e.origin == "merges"]
+    best = make_candidate(ties, 0.45, n_fts=3)
+    base, ft = Checkpoint(experts.base, label="BASE"), Checkpoint(experts.fts[0], label="FT")
+    try:
+        (dens, sched), notes = merges.followups(ties, best, 40, base, ft)
+    finally:
+        base.close()
+        ft.close()
+    assert not notes and (dens.index, sched.index) == (40, 41)
+    assert dens.family == "ties" and dens.axis == "density" and dens.grid == [0.1, 0.5]
+    assert dens.fixed == {"lambda": 0.45} and dens.log
+    assert make_candidate(dens, 0.2, n_fts=3).params == best.params  # its centre is the best itself
+    assert sched.merge_params == best.params and sched.grid_pairs == [(0.5, 1.0), (0.2, 1.6)]
+    c = make_candidate(sched, (0.5, 1.0), n_fts=3)
+    assert c.command == "merge" and c.family == "ties" and dict(c.params)["lines"] == (0.5, 1.0)
+    # a method without a density axis gets the schedule alone
+    (ta,) = [e for e in entries if e.family == "task-arithmetic" and e.origin == "merges"]
+    base, ft = Checkpoint(experts.base, label="BASE"), Checkpoint(experts.fts[0], label="FT")
+    try:
+        (only,), _ = merges.followups(ta, make_candidate(ta, 0.3, n_fts=3), 7, base, ft)
+    finally:
+        base.close()
+        ft.close()
+    assert only.axis == "lines" and dict(only.merge_params)["lambda"] == 0.3

@@ -116,7 +116,7 @@ class SweepReport:
                 "from_cache": self.cached_count,
             },
             "references": refs,
-            "scoring": self.scoring(),
+            **({"scoring": self.scoring()} if len(self.ft_cks) > 1 else {}),
             "benchmarks": self.score_doc["benchmarks"],
             "counts": self.score_doc["counts"],
             "candidates": rows,
@@ -135,14 +135,13 @@ class SweepReport:
             },
             "output": {"path": self.out_arg},
             "warnings": self.warnings + [w for w in self.score_doc["warnings"]],
-            "notes": list(self.score_doc.get("notes", [])),
+            **({"notes": list(self.score_doc.get("notes", []))} if len(self.ft_cks) > 1 else {}),
         }
 
     def scoring(self) -> dict:
-        """How the candidates were scored: against FT, or (several fine-tunes) against each
-        benchmark's expert, with the targets counted in % retention."""
-        if len(self.ft_cks) == 1:
-            return {"fine_tunes": 1, "reference": "ft", "retention_includes_targets": False}
+        """How the candidates were scored with several fine-tunes: against each benchmark's
+        expert, with the targets counted in % retention (one fine-tune: as ``score`` does; the
+        report has no ``scoring`` section, so its fields are those of earlier versions)."""
         return {
             "fine_tunes": len(self.ft_cks),
             "reference": "experts",
