@@ -24,7 +24,7 @@ class SweepReport:
         except ImportError:
             return None, missing
         try:
-            png = frontier_png(self.rows, winner, self.ref_scores, several=len(self.ft_cks) > 1)
+            png = frontier_png(self.rows, winner, self.ref_scores, several=len(self.ft_specs) > 1)
         except ImportError:
             return None, missing
         if png is None:
@@ -116,7 +116,7 @@ class SweepReport:
                 "from_cache": self.cached_count,
             },
             "references": refs,
-            **({"scoring": self.scoring()} if len(self.ft_cks) > 1 else {}),
+            **({"scoring": self.scoring()} if len(self.ft_specs) > 1 else {}),
             "benchmarks": self.score_doc["benchmarks"],
             "counts": self.score_doc["counts"],
             "candidates": rows,
@@ -135,7 +135,7 @@ class SweepReport:
             },
             "output": {"path": self.out_arg},
             "warnings": self.warnings + [w for w in self.score_doc["warnings"]],
-            **({"notes": list(self.score_doc.get("notes", []))} if len(self.ft_cks) > 1 else {}),
+            **({"notes": list(self.score_doc.get("notes", []))} if len(self.ft_specs) > 1 else {}),
         }
 
     def scoring(self) -> dict:
