@@ -340,9 +340,12 @@ def _entry(family: str, axis: str):
 
 
 def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeypatch):
+    import pkgutil
+    import types
+
     from dghard_cli.methods import registry
     from dghard_cli.methods.declare import MergeMethod
-    from dghard_cli.sweep import candidates, merges
+    from dghard_cli.sweep import merges
     from dghard_cli.sweep.candidate_file import load_candidates
 
     entries, _ = load_candidates(None)
@@ -358,14 +361,30 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
     for e in several:
         assert e.grid == sorted(e.grid) and e.grid[0] <= 0.3  # from small strengths up
         assert e.axis == ("lambda" if "lambda" in e.kind.axes else e.kind.axes[0])
-    # a method declared in the registry with sweep_axes (its strength: alpha) joins as it is
-    toy = MergeMethod("toy-merge", ("alpha",), lambda p, ctx: None, sweep_axes=("alpha",))
-    monkeypatch.setattr(registry, "methods", lambda: {**registry.registry().methods, toy.name: toy})
-    monkeypatch.setitem(candidates.KINDS, toy.name, candidates._merge_kind(toy))
-    entries, _ = load_candidates(None)
-    (added,) = [e for e in entries if e.family == "toy-merge"]
-    assert added.axis == "alpha" and added.range == (0.1, 1.0) and added.grid == [0.3, 0.6, 1.0]
-    assert merges.strength_axis(toy) == "alpha"
+    # a method module found by the registry (as dghard_cli/methods/<name>.py would be) whose
+    # strength is alpha joins as it is, after the sweep modules were imported
+    name = "dghard_cli.methods._toy_merge_for_test"
+    mod = types.ModuleType(name)
+    mod.MERGE_METHODS = (MergeMethod("toy-merge", ("alpha",), lambda p, ctx: None, sweep_axes=("alpha",)),)
+    real = pkgutil.iter_modules
+
+    def iter_modules(path=None, prefix=""):
+        yield from real(path, prefix)
+        if path is not None and any(str(p).endswith("methods") for p in path):
+            yield pkgutil.ModuleInfo(None, name.rsplit(".", 1)[1], False)
+
+    monkeypatch.setitem(sys.modules, name, mod)
+    monkeypatch.setattr(registry.pkgutil, "iter_modules", iter_modules)
+    registry.registry.cache_clear()
+    try:
+        entries, _ = load_candidates(None)
+        (added,) = [e for e in entries if e.family == "toy-merge"]
+        assert added.axis == "alpha" and added.range == (0.1, 1.0) and added.grid == [0.3, 0.6, 1.0]
+        assert (
+            added.kind.command == "merge" and merges.strength_axis(registry.methods()["toy-merge"]) == "alpha"
+        )
+    finally:
+        registry.registry.cache_clear()
 
 
 @pytest.mark.parametrize(

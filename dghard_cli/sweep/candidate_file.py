@@ -10,7 +10,7 @@ from pathlib import Path
 from dghard_cli.errors import InputError
 from dghard_cli.methods import registry
 from dghard_cli.methods.recipe import read_yaml_file
-from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, KINDS, FamilyEntry, make_candidate
+from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, FamilyEntry, kinds, make_candidate
 from dghard_cli.sweep.candidates import is_number as _num
 
 MAX_CANDIDATES_BYTES = 1024 * 1024
@@ -31,8 +31,9 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
     if not isinstance(raw, dict):
         raise InputError(f"{at}: expected a mapping with 'family' and 'grid', got {type(raw).__name__}")
     fam = raw.get("family")
-    if not isinstance(fam, str) or fam.strip().lower() not in KINDS and fam.strip().lower() != "dare":
-        raise InputError(f"{at}: 'family' must be one of {', '.join(KINDS)}, got {fam!r}")
+    known = kinds()
+    if not isinstance(fam, str) or fam.strip().lower() not in known and fam.strip().lower() != "dare":
+        raise InputError(f"{at}: 'family' must be one of {', '.join(known)}, got {fam!r}")
     fam = fam.strip().lower()
     fam = "dare-linear" if fam == "dare" else fam
     if fam == "lines":
@@ -43,7 +44,7 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
     for key in raw:
         if key not in ENTRY_KEYS:
             raise InputError(f"{at}: unknown key {key!r} (known keys: {', '.join(ENTRY_KEYS)})")
-    kind = KINDS[fam]
+    kind = known[fam]
     axis = raw.get("axis", kind.axes[0])
     if axis not in kind.axes:
         raise InputError(f"{at}: axis {axis!r} cannot be swept for {fam} (axes: {', '.join(kind.axes)})")

@@ -125,6 +125,13 @@ def _merge_kind(m: registry.MergeMethod) -> FamilyKind:
 KINDS.update({m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes})
 
 
+def kinds() -> dict[str, FamilyKind]:
+    """Every family: the repair kinds and one per merge method of the registry *as it is now*
+    (a method module found after this module was imported is a family too)."""
+    merges = {m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes}
+    return {**{k: v for k, v in KINDS.items() if v.command == "repair"}, **merges}
+
+
 @dataclass
 class FamilyEntry:
     """One entry of the candidate file: a family, its axis, coarse grid and refinement range."""
@@ -146,7 +153,7 @@ class FamilyEntry:
 
     @property
     def kind(self) -> FamilyKind:
-        return KINDS[self.family]
+        return KINDS.get(self.family) or kinds()[self.family]
 
     @property
     def lo(self) -> float:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.methods import registry
-from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, KINDS, Candidate, FamilyEntry
+from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, Candidate, FamilyEntry
 from dghard_cli.sweep.candidates import is_number as _num
 
 BLOCK_KEYS = ("grid", "range", "exclude", "density", "lines", "tolerance")
@@ -173,7 +173,7 @@ def followups(
     out: list[FamilyEntry] = []
     notes: list[str] = []
     f = entry.followups or {}
-    kind = KINDS[entry.family]
+    kind = entry.kind
     params = dict(cand.params)
     if f.get("density") and "density" in kind.axes and entry.axis != "density" and entry.axis in kind.fixed:
         lo, hi = kind.ranges["density"]
