@@ -439,3 +439,29 @@ def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
         base.close()
         ft.close()
     assert only.axis == "lines" and dict(only.merge_params)["lambda"] == 0.3
+
+
+def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
+    experts, swept, tmp_path, monkeypatch
+):
+    from dghard_cli.errors import Interrupted
+    from dghard_cli.sweep import steps
+
+    doc, _ = swept
+    real, calls = steps.run_command, []
+
+    def interrupt_at_the_12th(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 12:  # 4 references, then the 8th candidate: before the follow-ups
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(steps, "run_command", interrupt_at_the_12th)
+    out = tmp_path / "resumed"
+    with pytest.raises(Interrupted):
+        _sweep(experts, out, budget=16)
+    monkeypatch.setattr(steps, "run_command", real)
+    again = _sweep(experts, out, budget=16)
+    assert again["budget"]["from_cache"] == 11 and again["budget"]["run_now"] == 16 - 11
+    assert [r["name"] for r in again["candidates"]] == [r["name"] for r in doc["candidates"]]
+    assert again["winner"]["name"] == doc["winner"]["name"]

@@ -20,7 +20,10 @@ lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiN
 =================  =========  ================================================  ==============
 
 The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweep.lines` (the
-functions here hand its entries and candidates over to it).
+functions here hand its entries and candidates over to it). With several fine-tunes the
+candidate file's ``merges:`` block (:mod:`dghard_cli.sweep.merges`) makes one entry per
+registered merge method and, for the best merge, follow-ups: its density, and the merge under
+``--lines α,β`` (a merge candidate whose parameters carry ``lines``).
 
 Every candidate is written by the library function of its command (``repair`` or ``merge``),
 so it is byte for byte what the printed command writes.
