@@ -42,7 +42,6 @@ from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
 from dghard_cli.methods.declare import LINES
-from dghard_cli.methods.schedule import LayerSchedule
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
 
@@ -385,6 +384,6 @@ def write_candidate(
         )
         return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
     kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
-    if "lines" in p:
-        kwargs["schedule"] = LayerSchedule(alpha=float(p["lines"][0]), beta=float(p["lines"][1]))
+    if "lines" in p:  # the schedule as --lines builds it
+        kwargs[LINES.attr] = LINES.build([float(p["lines"][0]), float(p["lines"][1])])
     return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, lora=lora, **kwargs))
