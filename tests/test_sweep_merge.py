@@ -260,6 +260,7 @@ def test_the_strength_search_starts_small_and_follows_up_the_best_merge(swept):
     assert follow and any(f["axis"] == "alpha,beta" and f["command"] == "merge" for f in follow)
     scheduled = [r for r in doc["candidates"] if r["axis"] == "lines"]
     assert scheduled and all(r["command"] == "merge" and "lines" in r["params"] for r in scheduled)
+    assert [r["phase"] for r in scheduled][:2] == ["follow-up", "follow-up"]
     # the follow-ups start from the best strength candidate found before them
     first_follow = min(r["order"] for r in doc["candidates"] if r["entry"] in {f["index"] for f in follow})
     before = [r for r in doc["candidates"] if r["order"] < first_follow]

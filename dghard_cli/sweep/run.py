@@ -344,6 +344,8 @@ class _Sweep(EvaluationSteps, SweepReport):
             nxt = None
             if later:
                 nxt = self.next_in(later, later_budget)
+                if nxt is not None and nxt[1] == "coarse":  # a follow-up's own grid point
+                    nxt = (nxt[0], "follow-up")
             if nxt is None:
                 nxt = self.next_in(first, self.cand_budget - reserve)
             if nxt is None:
