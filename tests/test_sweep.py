@@ -599,12 +599,18 @@ def test_merge_methods_with_two_fine_tunes(pair, tmp_path):
     )
     assert [s["family"] for s in doc["skipped_families"]] == ["hard"]
     assert doc["budget"]["reference_evaluations"] == 3 and doc["budget"]["candidate_evaluations"] == 3
-    # the reference "FT" score of each benchmark is the best either fine-tune reached
+    # the reference "FT" score of each benchmark is its expert's: the best fine-tune where one
+    # improved it beyond the margin, else the worst (the damage to a skill of the base)
     scores2 = pair.scores(
         {n: f64(t) - f64(load_dir(pair.base)[n]) for n, t in load_dir(ft2).items() if n in pair.names}
     )
     for bm in doc["benchmarks"]:
-        assert abs(bm["ft"] - max(pair.ft_scores[bm["name"]], scores2[bm["name"]])) < 1e-4
+        k = bm["name"]
+        best, worst = max(pair.ft_scores[k], scores2[k]), min(pair.ft_scores[k], scores2[k])
+        improved = best > pair.base_scores[k] + 0.5
+        assert doc["scoring"]["experts"][k]["rule"] == ("best" if improved else "worst")
+        assert abs(bm["ft"] - (best if improved else worst)) < 1e-4
+    assert {bm["name"]: bm["partition"] for bm in doc["benchmarks"]}["task"] == "improved"
     argv = doc["winner"]["reproduce"]["argv"]
     assert argv[:3] == ["dghard", "merge", "--method"] and str(ft2) in argv
     again = Path(doc["winner"]["reproduce"]["out"])

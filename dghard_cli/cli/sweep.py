@@ -88,8 +88,13 @@ def sweep_cmd(
         Optional[float], typer.Option(help="Seconds one evaluation may take (default: no limit).")
     ] = None,
     min_target_retention: Annotated[
-        float, typer.Option(help="Every --target must keep at least this % of the fine-tune's gain.")
-    ] = DEFAULT_MIN_TARGET_RETENTION,
+        Optional[float],
+        typer.Option(
+            help="Every --target must keep at least this % of the fine-tune's gain "
+            f"(default {DEFAULT_MIN_TARGET_RETENTION:g} with one fine-tune; none with --merge-ft).",
+            show_default=False,
+        ),
+    ] = None,
     fail_under: Annotated[
         Optional[float],
         typer.Option(help="Exit 1 when the winner's HM is below this (or there is no winner)."),

@@ -20,7 +20,10 @@ lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiN
 =================  =========  ================================================  ==============
 
 The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweep.lines`; a
-candidate of any family is made, reproduced and written by :mod:`dghard_cli.sweep.family_dispatch`.
+candidate of any family is made, reproduced and written by :mod:`dghard_cli.sweep.family_dispatch`. With several fine-tunes the
+candidate file's ``merges:`` block (:mod:`dghard_cli.sweep.merges`) makes one entry per
+registered merge method and, for the best merge, follow-ups: its density, and the merge under
+``--lines α,β`` (a merge candidate whose parameters carry ``lines``).
 """
 
 from __future__ import annotations
@@ -113,6 +116,13 @@ def _merge_kind(m: registry.MergeMethod) -> FamilyKind:
 KINDS.update({m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes})
 
 
+def kinds() -> dict[str, FamilyKind]:
+    """Every family: the repair kinds and one per merge method of the registry *as it is now*
+    (a method module found after this module was imported is a family too)."""
+    merges = {m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes}
+    return {**{k: v for k, v in KINDS.items() if v.command == "repair"}, **merges}
+
+
 @dataclass
 class FamilyEntry:
     """One entry of the candidate file: a family, its axis, coarse grid and refinement range."""
@@ -127,10 +137,14 @@ class FamilyEntry:
     fixed: dict = field(default_factory=dict)
     fine_tunes: str | None = None  # "one" | "several" | "any"; None: the family's default
     index: int = 0  # position in the file (for messages and the report)
+    #: where the entry comes from: "file" (an entry of ``families``), "merges" (made from the
+    #: ``merges:`` block, one per registered merge method), "follow-up" (sweep/merges.py)
+    origin: str = "file"
+    followups: dict | None = None  # "merges" entries: the block's density grid and lines pairs
 
     @property
     def kind(self) -> FamilyKind:
-        return KINDS[self.family]
+        return KINDS.get(self.family) or kinds()[self.family]
 
     @property
     def lo(self) -> float:
@@ -152,7 +166,7 @@ class FamilyEntry:
         return when == "any" or (when == "one") == (n_fts == 1)
 
     def describe(self) -> dict:
-        return {
+        d = {
             "index": self.index,
             "family": self.family,
             "command": self.kind.command,
@@ -162,9 +176,12 @@ class FamilyEntry:
             "log": self.log,
             "tolerance": self.tolerance,
             "refine": self.refine,
-            "fixed": dict(self.fixed),
+            "fixed": {k: list(v) if isinstance(v, tuple) else v for k, v in self.fixed.items()},
             "fine_tunes": self.fine_tunes or self.kind.default_when,
         }
+        if self.origin != "file":
+            d["origin"] = self.origin
+        return d
 
 
 @dataclass(frozen=True)
@@ -187,7 +204,10 @@ class Candidate:
         extra = [
             f"{k}={_fmt(v)}"
             for k, v in self.params
-            if k not in (self.axis, "shrink", "method", "noise") and v is not None and k in _SHOWN
+            if k not in (self.axis, "shrink", "method", "noise")
+            and v is not None
+            and k in _SHOWN
+            and not (k == "weights" and all(w == 1.0 for w in v))  # the default: not shown
         ]
         return f"{self.family} {self.axis}={_fmt(self.value)}" + (f" ({', '.join(extra)})" if extra else "")
 

@@ -17,6 +17,7 @@ from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
+from dghard_cli.methods.declare import LINES
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
 from dghard_cli.sweep import lines
@@ -90,6 +91,8 @@ def reproduce_argv(
     for q in registry.scalar_params():
         if q.name in p:
             argv += [q.cli_flag, _fmt(p[q.name])]
+    if "lines" in p:  # a merge under a LiNeS schedule (sweep/merges.py follow-up)
+        argv += [LINES.cli_flag, f"{_fmt(p['lines'][0])},{_fmt(p['lines'][1])}"]
     return argv + [base, *fts, "--out", out] + dev
 
 
@@ -125,4 +128,6 @@ def write_candidate(
         )
         return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
     kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
+    if "lines" in p:  # the schedule as --lines builds it
+        kwargs[LINES.attr] = LINES.build([float(p["lines"][0]), float(p["lines"][1])])
     return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, lora=lora, **kwargs))

@@ -281,7 +281,7 @@ class EvaluationSteps:
             row=row,
             order=order,
             budget=self.cand_budget,
-            min_target_retention=self.opts.min_target_retention,
+            min_target_retention=self.bar,
         )
 
     def keep_or_drop(self, key: str, cached: bool) -> None:
@@ -289,7 +289,7 @@ class EvaluationSteps:
         cdir = self.stage / "candidate"
         if cached or not cdir.exists():
             return
-        winner, _ = choose_winner(self.rows, self.opts.min_target_retention, self.opts.tie_tolerance)
+        winner, _ = choose_winner(self.rows, self.bar, self.opts.tie_tolerance)
         if winner is not None and winner["key"] == key:
             wdir = self.stage / "winner"
             shutil.rmtree(wdir, ignore_errors=True)
