@@ -1,0 +1,356 @@
+"""A public multi-task merge benchmark that anyone can rebuild on two CPU cores.
+
+Scenario (``build``): the forgetting benchmark's base (``scripts/forgetting_bench.py``: a
+1.29 M-parameter Qwen2 with a 46-token character vocabulary, pretrained from scratch for 2000
+steps on ``reverse``, ``sort``, ``double`` and ``lookup``; its model, tokenizer, sampler and
+training loop are imported from that script, not copied), then T = 4 **experts**, each fully
+fine-tuned from that base on a *different* new skill that the base never saw (not even its
+tag), until it masters it:
+
+- ``caesar`` (``C``): shift 3-7 lowercase letters by 3, ``C:abcz>defc``;
+- ``atbash`` (``1``): mirror the alphabet (a↔z, b↔y, ...), ``1:abcz>zyxa``;
+- ``rotate`` (``2``): move the first letter to the end, ``2:abcd>bcda``;
+- ``swap`` (``3``): swap neighbouring letters, ``3:abcde>badce``.
+
+The new tags are characters of the base's vocabulary (``C`` and digits), so the experts keep
+the base's architecture and tokenizer and the base is exactly the forgetting benchmark's: the
+same seed gives the same bytes, and ``build --base-from FBENCH/base`` copies it instead of
+pretraining again (12-20 min of the build). Each expert: 300 AdamW steps of 64 examples of its
+skill only, every parameter trained (lr 3e-4, warm-up then cosine), on one thread (the
+checkpoints are then the same bit for bit on every run with the same ``--seed``; set
+``FBENCH_THREADS=2`` for two). ``build`` fails loudly (exit 1) when an expert does not master
+its skill (held-out exact match below 90 points). ``WORKDIR/base`` and ``WORKDIR/expert-SKILL``
+are ordinary Hugging Face checkpoints.
+
+``eval MODEL OUT.json`` scores a checkpoint on fixed held-out sets (200 prompts per skill, never
+trained on, the same for every seed; the old skills' sets are the forgetting benchmark's):
+exact-match accuracy of the greedy answer in points, decided by one teacher-forced pass, with
+its binomial standard error, as ``{"skill": {"score": s, "stderr": se}}`` for the four old and
+the four new skills, the plain JSON that ``dghard score`` and ``dghard sweep`` read.
+
+Scores of a merge, as in the model-merging literature:
+
+- per-task accuracy of the merged model on each new skill;
+- **normalised accuracy**: merged accuracy on task i / expert i's own accuracy on task i,
+  averaged over the T tasks (in %), with its standard error: each task's binomial stderr
+  propagated through the ratio (the expert's own stderr included) and the mean;
+- **old skills kept**: mean accuracy of the merge on the base's four skills, against the base's.
+
+``table WORKDIR`` writes each candidate with the real ``dghard`` CLI, evaluates it, deletes it
+and prints one markdown table: each expert alone, every ``dghard merge`` method of all T experts
+(defaults, plus a small grid of its strength axis where cheap: the best of the grid by
+normalised accuracy is reported and says so), each also with ``--lines A,B`` on a small grid,
+the spectral methods ``tsv``, ``iso-c``, ``iso-cts`` when this dghard's ``merge`` has them, and
+``dghard sweep BASE EXPERT_1 --merge-ft EXPERT_2..T`` at each ``--budgets`` value (the sweep
+scores with ``score``'s repair/retention HM against BASE and expert 1, not with normalised
+accuracy; its winner is then scored here like every other row).
+
+Commands (from the repository root, with ``PYTHONPATH=$PWD`` or dghard installed)::
+
+    python scripts/merge_bench.py build /tmp/mbench --seed 0     # ~25 min on 2 shared cores
+    python scripts/merge_bench.py build /tmp/mbench --seed 0 --base-from /tmp/fbench/base
+    python scripts/merge_bench.py eval /tmp/mbench/expert-caesar /tmp/caesar.json
+    python scripts/merge_bench.py table /tmp/mbench --budgets 16,32
+
+``build --tiny`` builds a miniature scenario in seconds (for tests; it learns little), and
+``table --quick`` runs only a few rows (for tests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import importlib.util
+import json
+import math
+import random
+import shutil
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+def _import_forgetting_bench() -> Any:
+    name = "forgetting_bench"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parent / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+fb = _import_forgetting_bench()
+
+OLD_SKILLS: tuple[str, ...] = fb.SKILLS
+TASKS: tuple[str, ...] = ("caesar", "atbash", "rotate", "swap")
+TAGS: dict[str, str] = {"caesar": "C", "atbash": "1", "rotate": "2", "swap": "3"}
+LETTERS = fb.LETTERS
+EVAL_SEED = 20260101  # new skills' held-out sets (the old skills' are forgetting_bench's)
+EVAL_N = fb.EVAL_N
+MASTERY = 90.0  # points an expert must reach on its own skill
+
+
+@dataclass(frozen=True)
+class ExpertScale:
+    """Fine-tuning schedule of every expert."""
+
+    steps: int
+    lr: float
+    batch: int
+
+
+FULL_EXPERT = ExpertScale(steps=300, lr=3e-4, batch=64)
+TINY_EXPERT = ExpertScale(steps=10, lr=1e-3, batch=32)
+
+
+# ---------------------------------------------------------------- data
+
+
+def make_example(skill: str, rng: random.Random) -> tuple[str, str]:
+    """One ``(prompt, answer)`` pair of a new skill (``caesar`` is forgetting_bench's) or an old one."""
+    if skill in OLD_SKILLS or skill == "caesar":
+        return fb.make_example(skill, rng)
+    tag = TAGS[skill]
+    s = "".join(rng.choice(LETTERS) for _ in range(rng.randint(3, 7)))
+    if skill == "atbash":
+        return f"{tag}:{s}>", "".join(LETTERS[25 - LETTERS.index(c)] for c in s)
+    if skill == "rotate":
+        return f"{tag}:{s}>", s[1:] + s[0]
+    if skill == "swap":
+        pairs = [s[i : i + 2][::-1] for i in range(0, len(s), 2)]
+        return f"{tag}:{s}>", "".join(pairs)
+    raise ValueError(f"unknown skill {skill!r}")
+
+
+def eval_sets() -> dict[str, list[tuple[str, str]]]:
+    """Fixed held-out prompts: the old skills' and caesar's from forgetting_bench, the others here."""
+    old = fb.eval_sets()
+    out = {s: old[s] for s in (*OLD_SKILLS, "caesar")}
+    for i, skill in enumerate(TASKS):
+        if skill in out:
+            continue
+        rng = random.Random(EVAL_SEED + i)
+        seen: dict[str, str] = {}
+        while len(seen) < EVAL_N:
+            p, a = make_example(skill, rng)
+            seen.setdefault(p, a)
+        out[skill] = list(seen.items())
+    return {s: out[s] for s in (*OLD_SKILLS, *TASKS)}
+
+
+class Sampler:
+    """Training stream of some skills that never repeats a held-out prompt (``fb.train`` reads it)."""
+
+    def __init__(self, skills: Sequence[str], seed: int) -> None:
+        self.skills = list(skills)
+        self.rng = random.Random(seed)
+        self.held = {p for s in eval_sets().values() for p, _ in s}
+
+    def batch(self, n: int) -> list[tuple[str, str]]:
+        out: list[tuple[str, str]] = []
+        while len(out) < n:
+            p, a = make_example(self.rng.choice(self.skills), self.rng)
+            if p not in self.held:
+                out.append((p, a))
+        return out
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def evaluate_model(model: Any, skills: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
+    """Exact-match accuracy (points) and binomial stderr on the held-out sets (one teacher-forced pass)."""
+    import torch
+
+    sets = eval_sets()
+    out: dict[str, dict[str, float]] = {}
+    with torch.no_grad():
+        for skill in skills or list(sets):
+            examples = sets[skill]
+            ids, mask, labels = fb.batch_tensors(examples)
+            logits = model(input_ids=ids, attention_mask=mask).logits
+            pred = logits[:, :-1].argmax(-1)
+            gold = labels[:, 1:]
+            ok = ((pred == gold) | (gold == -100)).all(dim=1).double()
+            p = float(ok.mean())
+            se = math.sqrt(max(p * (1 - p), 1.0 / len(examples)) / len(examples))
+            out[skill] = {"score": round(100 * p, 4), "stderr": round(100 * se, 4)}
+    return out
+
+
+def normalised_accuracy(
+    merged: dict[str, dict[str, float]], experts: dict[str, dict[str, float]]
+) -> tuple[float, float]:
+    """Mean over the tasks of merged/expert accuracy (in %) and its stderr.
+
+    ``merged[t]`` is the merge's score on task t, ``experts[t]`` expert t's own score on t
+    (points with binomial stderr). Each ratio r = m/e gets the delta-method stderr
+    r·sqrt((se_m/m)² + (se_e/e)²) (se_m/e when m = 0), the tasks are independent, so the
+    mean's stderr is sqrt(Σ se_r²)/T.
+    """
+    ratios: list[float] = []
+    var = 0.0
+    for t, e in experts.items():
+        ev, ese = float(e["score"]), float(e["stderr"])
+        if ev <= 0:
+            raise ValueError(f"expert of {t!r} scores 0 on its own task: normalised accuracy is undefined")
+        mv, mse = float(merged[t]["score"]), float(merged[t]["stderr"])
+        r = mv / ev
+        se_r = math.hypot(mse / ev, r * ese / ev)
+        ratios.append(r)
+        var += se_r**2
+    n = len(ratios)
+    return 100 * sum(ratios) / n, 100 * math.sqrt(var) / n
+
+
+def mean_score(res: dict[str, dict[str, float]], skills: Sequence[str]) -> tuple[float, float]:
+    """Mean of the skills' scores and its stderr (independent sets)."""
+    m = sum(float(res[s]["score"]) for s in skills) / len(skills)
+    se = math.sqrt(sum(float(res[s]["stderr"]) ** 2 for s in skills)) / len(skills)
+    return m, se
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    fb.set_threads()
+    res = evaluate_model(fb.load_model(args.model))
+    text = json.dumps(res, indent=1, sort_keys=True)
+    if args.output:
+        Path(args.output).write_text(text + "\n")
+    else:
+        print(text)
+    return 0
+
+
+# ---------------------------------------------------------------- build
+
+
+def expert_dir(work: Path, task: str) -> Path:
+    return work / f"expert-{task}"
+
+
+def _base_stamp(tiny: bool, seed: int) -> dict[str, Any]:
+    sc = fb.TINY if tiny else fb.FULL
+    return {"scale": sc.__dict__, "seed": seed, "vocab": list(fb.VOCAB)}
+
+
+def _fmt(res: dict[str, dict[str, float]]) -> str:
+    return "  ".join(f"{k} {v['score']:.1f}" for k, v in res.items())
+
+
+def _base(args: argparse.Namespace, work: Path) -> Any:
+    """BASE: reused when WORKDIR/base was built with the same seed and scale, copied from
+    ``--base-from``, else pretrained exactly as forgetting_bench does."""
+    sc = fb.TINY if args.tiny else fb.FULL
+    base = work / "base"
+    stamp = work / "base.stamp.json"
+    want = _base_stamp(args.tiny, args.seed)
+    if args.base_from:
+        src = Path(args.base_from)
+        cfg = json.loads((src / "config.json").read_text())
+        got = (cfg.get("hidden_size"), cfg.get("num_hidden_layers"), cfg.get("vocab_size"))
+        if got != (sc.hidden, sc.layers, len(fb.VOCAB)):
+            raise SystemExit(
+                f"{src}: hidden/layers/vocab {got}, expected {(sc.hidden, sc.layers, len(fb.VOCAB))}"
+            )
+        shutil.rmtree(base, ignore_errors=True)
+        shutil.copytree(src, base)
+        stamp.write_text(json.dumps({**want, "copied_from": str(src.resolve())}, indent=1) + "\n")
+        print(f"base: copied from {src}", flush=True)
+    elif (base / "model.safetensors").is_file() and stamp.is_file():
+        old = json.loads(stamp.read_text())
+        old.pop("copied_from", None)
+        if old != want:
+            raise SystemExit(f"{base}: built with other settings ({stamp}); use another WORKDIR")
+        print(f"base: reusing {base}", flush=True)
+    else:
+        model = fb.new_model(sc, args.seed)
+        n_params = sum(p.numel() for p in model.parameters())
+        print(
+            f"model: Qwen2 {sc.layers} layers, hidden {sc.hidden}, {n_params / 1e6:.2f} M parameters",
+            flush=True,
+        )
+        t0 = time.time()
+        fb.train(
+            model, fb.Sampler(OLD_SKILLS, args.seed), sc.pretrain_steps, sc.pretrain_lr, sc.batch, "pretrain"
+        )
+        fb.save_checkpoint(model, base)
+        stamp.write_text(json.dumps(want, indent=1) + "\n")
+        print(f"base: pretrained in {time.time() - t0:.0f} s", flush=True)
+        return model
+    return fb.load_model(base)
+
+
+def cmd_build(args: argparse.Namespace) -> int:
+    fb.set_threads()
+    work = Path(args.workdir)
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.time()
+    base_model = _base(args, work)
+    base_res = evaluate_model(base_model)
+    (work / "base.json").write_text(json.dumps(base_res, indent=1, sort_keys=True) + "\n")
+    print(f"base: {_fmt(base_res)}", flush=True)
+    es = TINY_EXPERT if args.tiny else FULL_EXPERT
+    failed: list[str] = []
+    for i, task in enumerate(TASKS):
+        model = copy.deepcopy(base_model)
+        t0 = time.time()
+
+        def progress(step: int, model: Any = model, task: str = task) -> None:
+            model.eval()
+            print(f"[{task}]   own skill {evaluate_model(model, [task])[task]['score']:.1f}", flush=True)
+            model.train()
+
+        sampler = Sampler([task], args.seed * 1000 + 101 + i)
+        fb.train(model, sampler, es.steps, es.lr, es.batch, task, progress)
+        out = expert_dir(work, task)
+        shutil.rmtree(out, ignore_errors=True)
+        fb.save_checkpoint(model, out)
+        res = evaluate_model(model)
+        (work / f"expert-{task}.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+        print(f"expert {task}: {_fmt(res)}  ({time.time() - t0:.0f} s)", flush=True)
+        if res[task]["score"] < MASTERY and not args.tiny:
+            failed.append(f"{task} {res[task]['score']:.1f}")
+    print(f"wrote {work}/base and {len(TASKS)} experts; total {time.time() - t_start:.0f} s")
+    if failed:
+        print(
+            f"error: experts below {MASTERY} points on their own skill: {', '.join(failed)}", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    b = sub.add_parser("build", help="BASE (pretrained or reused) and one expert per new skill into WORKDIR")
+    b.add_argument("workdir")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--tiny", action="store_true", help="a miniature scenario in seconds (tests)")
+    b.add_argument(
+        "--base-from",
+        metavar="DIR",
+        help="copy this BASE (forgetting_bench build's WORKDIR/base) instead of pretraining",
+    )
+    b.set_defaults(func=cmd_build)
+    e = sub.add_parser(
+        "eval",
+        help="exact-match accuracy in points (0-100) of MODEL on every held-out set, as JSON",
+        description="Writes OUTPUT as {skill: {score: points 0-100, stderr: points}}: exact-match accuracy "
+        f"of the greedy answer on {EVAL_N} held-out prompts of each old skill ({', '.join(OLD_SKILLS)}) and "
+        f"each new one ({', '.join(TASKS)}).",
+    )
+    e.add_argument("model")
+    e.add_argument("output", nargs="?", help="JSON file to write (default: stdout)")
+    e.set_defaults(func=cmd_eval)
+    args = ap.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
