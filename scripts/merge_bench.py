@@ -63,8 +63,11 @@ import copy
 import importlib.util
 import json
 import math
+import os
 import random
+import re
 import shutil
+import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -325,6 +328,253 @@ def cmd_build(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------- table
+
+TA_LAMBDAS = (0.2, 0.4, 0.6, 0.8, 1.0)
+LINEAR_LAMBDAS = (0.4, 0.6, 1.0)  # the summing methods other than task arithmetic
+DENSITIES = {"ties": (0.2, 0.1, 0.5), "dare-ties": (0.5, 0.2, 0.8), "della": (0.5, 0.3, 0.7)}
+LINES_GRID = ((0.2, 0.3), (0.3, 0.6), (0.5, 0.5))
+SPECTRAL = ("tsv", "iso-c", "iso-cts")
+CALIB_PER_SKILL = 8
+
+
+@dataclass
+class Candidate:
+    """One merge: its name, its family (a table row takes the family's best), its setting, its options."""
+
+    name: str
+    family: str
+    setting: str
+    argv: list[str]  # `dghard merge` options; BASE, the experts and --out are added
+
+
+def merge_methods() -> set[str]:
+    """The methods this dghard's ``merge --method`` accepts, read from its ``--help``."""
+    env = {**os.environ, "COLUMNS": "4000", "NO_COLOR": "1", "TERM": "dumb"}
+    exe = [shutil.which("dghard")] if shutil.which("dghard") else [sys.executable, "-m", "dghard_cli"]
+    res = subprocess.run([*exe, "merge", "--help"], text=True, capture_output=True, env=env, check=True)
+    m = re.search(r"One of:\s*(.*?)\.\s", res.stdout, re.S)
+    if m is None:
+        raise SystemExit("dghard merge --help: no 'One of: ...' list of methods")
+    return {w.strip() for w in re.sub(r"\s+", " ", m.group(1)).split(",") if w.strip()}
+
+
+def candidates(methods: set[str], calib: Path, quick: bool = False) -> list[Candidate]:
+    """Every merge row's grid: defaults first, then the strength axis; each method also with --lines."""
+    out: list[Candidate] = []
+
+    def add(family: str, setting: str, argv: list[str]) -> None:
+        name = re.sub(r"[^A-Za-z0-9.]+", "-", f"{family} {setting}").strip("-")
+        out.append(Candidate(name, family, setting, argv))
+
+    if quick:
+        add("task-arithmetic", "λ 1.0", ["--method", "task-arithmetic"])
+        add("ties", "density 0.2", ["--method", "ties"])
+        return out
+    defaults: list[tuple[str, list[str]]] = []
+    for lam in TA_LAMBDAS:
+        add("task-arithmetic", f"λ {lam}", ["--method", "task-arithmetic", "--lambda", str(lam)])
+    defaults.append(("task-arithmetic", ["--method", "task-arithmetic"]))
+    for method in ("ties", "dare-ties", "della"):
+        for d in DENSITIES[method]:
+            add(method, f"density {d}", ["--method", method, "--density", str(d)])
+        defaults.append((method, ["--method", method]))
+    for method in ("dare-linear", "breadcrumbs", "dg-hard"):
+        for lam in LINEAR_LAMBDAS:
+            add(method, f"λ {lam}", ["--method", method, "--lambda", str(lam)])
+        defaults.append((method, ["--method", method]))
+    add("model-stock", "defaults", ["--method", "model-stock"])
+    defaults.append(("model-stock", ["--method", "model-stock"]))
+    recall = ["--method", "recall", "--calib", str(calib)]
+    add("recall", "defaults, calibration: the skills' prompts", recall)
+    defaults.append(("recall", recall))
+    for method in SPECTRAL:
+        if method in methods:
+            add(method, "defaults", ["--method", method])
+            defaults.append((method, ["--method", method]))
+    for family, argv in defaults:
+        for a, b in LINES_GRID:
+            add(f"{family} + --lines", f"A {a}, B {b}", [*argv, "--lines", f"{a},{b}"])
+    return out
+
+
+def write_calibration(path: Path, seed: int) -> None:
+    """RECALL's calibration pool: training-distribution examples of every skill (no held-out prompt)."""
+    sampler = Sampler([*OLD_SKILLS, *TASKS], seed + 7919)
+    samples = [p + a for p, a in sampler.batch(CALIB_PER_SKILL * (len(OLD_SKILLS) + len(TASKS)))]
+    path.write_text("\n\n".join(samples) + "\n")
+
+
+class Bench:
+    """Writes each candidate with the dghard CLI under WORKDIR/bench, evaluates it, deletes it."""
+
+    def __init__(self, work: Path) -> None:
+        self.work = work
+        self.base = work / "base"
+        self.experts = [expert_dir(work, t) for t in TASKS]
+        self.root = work / "bench"
+        self.results = self.root / "results"
+        self.cand = self.root / "candidate"
+        self.eval_seconds: list[float] = []
+        self.merge_seconds: list[float] = []
+        self.script = str(Path(__file__).resolve())
+
+    def eval_template(self) -> str:
+        import shlex
+
+        return f"{shlex.quote(sys.executable)} {shlex.quote(self.script)} eval {{model}} {{output}}"
+
+    def evaluate(self, model: Path, name: str) -> dict[str, dict[str, float]]:
+        """In this process (the same function as ``eval``); the JSON is kept under results/."""
+        t0 = time.time()
+        res = evaluate_model(fb.load_model(model))
+        (self.results / f"{name}.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
+        self.eval_seconds.append(time.time() - t0)
+        return res
+
+    def run_candidate(self, c: Candidate) -> dict[str, dict[str, float]]:
+        shutil.rmtree(self.cand, ignore_errors=True)
+        t0 = time.time()
+        models = [str(self.base), *(str(e) for e in self.experts)]
+        fb.dghard(["merge", *c.argv, *models, "--out", str(self.cand)])
+        self.merge_seconds.append(time.time() - t0)
+        try:
+            return self.evaluate(self.cand, c.name)
+        finally:
+            shutil.rmtree(self.cand, ignore_errors=True)
+
+    def sweep(
+        self, budget: int, ref_files: list[Path]
+    ) -> tuple[dict[str, Any], dict[str, dict[str, float]] | None]:
+        """``dghard sweep BASE EXPERT_1 --merge-ft EXPERT_2..T``; the winner (if any) evaluated here."""
+        out = self.root / f"sweep-{budget}"
+        shutil.rmtree(out, ignore_errors=True)
+        argv = ["sweep", str(self.base), str(self.experts[0]), str(out)]
+        for e in self.experts[1:]:
+            argv += ["--merge-ft", str(e)]
+        argv += ["--eval", self.eval_template(), "--budget", str(budget), "--json"]
+        argv += ["--base-results", str(ref_files[0])]
+        for f in ref_files[1:]:
+            argv += ["--ft-results", str(f)]
+        doc = json.loads(fb.dghard(argv, capture=True).stdout)
+        res = self.evaluate(out, f"sweep-{budget}") if doc.get("winner") else None
+        shutil.rmtree(out, ignore_errors=True)
+        return doc, res
+
+
+def _cell(v: float | None, se: float | None = None) -> str:
+    if v is None:
+        return "—"
+    return f"{v:.1f}" if se is None else f"{v:.1f} ± {se:.1f}"
+
+
+def cmd_table(args: argparse.Namespace) -> int:
+    fb.set_threads()
+    t_start = time.time()
+    work = Path(args.workdir).resolve()
+    bench = Bench(work)
+    for d in (bench.base, *bench.experts):
+        if not (d / "config.json").is_file():
+            raise SystemExit(f"{d}: no checkpoint; run `build {args.workdir}` first")
+    budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
+    shutil.rmtree(bench.root, ignore_errors=True)
+    bench.results.mkdir(parents=True)
+    calib = bench.root / "calib.txt"
+    write_calibration(calib, 0)
+    methods = merge_methods()
+    missing = [m for m in SPECTRAL if m not in methods]
+    notes: list[str] = []
+    if missing:
+        notes.append(f"{', '.join(missing)}: skipped, this dghard's `merge --method` has no such method.")
+        print(notes[-1], flush=True)
+    res: dict[str, dict[str, dict[str, float]]] = {"BASE": bench.evaluate(bench.base, "BASE")}
+    for t, e in zip(TASKS, bench.experts, strict=True):
+        res[f"expert-{t}"] = bench.evaluate(e, f"expert-{t}")
+    own = {t: res[f"expert-{t}"][t] for t in TASKS}
+    cands = candidates(methods, calib, quick=args.quick)
+    for i, c in enumerate(cands, 1):
+        t0 = time.time()
+        res[c.name] = bench.run_candidate(c)
+        r = res[c.name]
+        print(f"[table] {i}/{len(cands)} {c.name}: {_fmt(r)} ({time.time() - t0:.1f} s)", flush=True)
+    sweeps: list[tuple[int, dict[str, Any], float]] = []
+    ref_files = [bench.results / "BASE.json", *(bench.results / f"expert-{t}.json" for t in TASKS)]
+    for n in budgets:
+        t0 = time.time()
+        doc, r = bench.sweep(n, ref_files)
+        dt = time.time() - t0
+        if r is not None:
+            res[f"sweep-{n}"] = r
+        sweeps.append((n, doc, dt))
+        print(f"[table] sweep --budget {n}: {dt:.0f} s, {doc['budget']['run_now']} evaluations", flush=True)
+
+    def norm(name: str) -> tuple[float | None, float | None]:
+        try:
+            return normalised_accuracy(res[name], own)
+        except ValueError:
+            return None, None
+
+    def key(name: str) -> float:
+        v = norm(name)[0]
+        return -math.inf if v is None else v
+
+    base_old = mean_score(res["BASE"], OLD_SKILLS)
+    print()
+    print("experts on their own skill: " + "  ".join(f"{t} {own[t]['score']:.1f}" for t in TASKS))
+    print(f"base on the old skills: {_fmt({s: res['BASE'][s] for s in OLD_SKILLS})} (mean {base_old[0]:.1f})")
+    fams: dict[str, list[Candidate]] = {}
+    for c in cands:
+        fams.setdefault(c.family, []).append(c)
+    for fam, cs in fams.items():
+        if len(cs) > 1:
+            grid = ", ".join(f"{c.setting}: {_cell(norm(c.name)[0])}" for c in cs)
+            print(f"{fam}, normalised accuracy by setting: {grid}")
+    print()
+    head = " | ".join(TASKS)
+    print(f"| candidate | setting | normalised acc. % | {head} | old skills (base {base_old[0]:.1f}) |")
+    print("|---|---|---:|" + "---:|" * len(TASKS) + "---:|")
+
+    def row(label: str, setting: str, name: str | None) -> None:
+        if name is None:
+            print(f"| {label} | {setting} | — |" + " — |" * len(TASKS) + " — |")
+            return
+        r = res[name]
+        na, se = norm(name)
+        accs = " | ".join(f"{r[t]['score']:.1f}" for t in TASKS)
+        print(f"| {label} | {setting} | {_cell(na, se)} | {accs} | {_cell(*mean_score(r, OLD_SKILLS))} |")
+
+    row("BASE", "", "BASE")
+    for t in TASKS:
+        row(f"expert {t} alone", "", f"expert-{t}")
+    for fam, cs in fams.items():
+        best = max(cs, key=lambda c: key(c.name))
+        row(fam, f"best of {len(cs)}: {best.setting}" if len(cs) > 1 else best.setting, best.name)
+    for n, doc, _dt in sweeps:
+        win = doc.get("winner")
+        if win:
+            hm = win.get("hm")
+            row(
+                f"dghard sweep --budget {n}",
+                f"winner: {win.get('name')} (sweep's HM {_cell(hm)})",
+                f"sweep-{n}",
+            )
+        else:
+            reason = doc.get("winner_reason") or doc.get("no_winner_reason") or "see sweep_report.json"
+            row(f"dghard sweep --budget {n}", f"no winner: {reason}", None)
+    for note in notes:
+        print()
+        print(note)
+    total = time.time() - t_start
+    ev, mg = bench.eval_seconds, bench.merge_seconds
+    print()
+    print(
+        f"total wall time {total:.0f} s; {len(mg)} merges written ({sum(mg) / max(1, len(mg)):.1f} s each), "
+        f"{len(ev)} evaluations here ({sum(ev) / max(1, len(ev)):.1f} s each); "
+        + "; ".join(f"sweep --budget {n} {dt:.0f} s" for n, _d, dt in sweeps)
+    )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -348,6 +598,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("model")
     e.add_argument("output", nargs="?", help="JSON file to write (default: stdout)")
     e.set_defaults(func=cmd_eval)
+    t = sub.add_parser("table", help="write, evaluate and tabulate every dghard merge of WORKDIR's experts")
+    t.add_argument("workdir")
+    t.add_argument("--budgets", default="16,32", help="dghard sweep budgets, comma-separated (default 16,32)")
+    t.add_argument("--quick", action="store_true", help="two merge rows only (tests)")
+    t.set_defaults(func=cmd_table)
     args = ap.parse_args(argv)
     return int(args.func(args))
 
