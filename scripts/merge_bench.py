@@ -335,6 +335,7 @@ LINEAR_LAMBDAS = (0.4, 0.6, 1.0)  # the summing methods other than task arithmet
 DENSITIES = {"ties": (0.2, 0.1, 0.5), "dare-ties": (0.5, 0.2, 0.8), "della": (0.5, 0.3, 0.7)}
 LINES_GRID = ((0.2, 0.3), (0.3, 0.6), (0.5, 0.5))
 SPECTRAL = ("tsv", "iso-c", "iso-cts")
+SPECTRAL_ALPHAS = (1.0, 0.6, 1.4)  # their scale α (default 1)
 CALIB_PER_SKILL = 8
 
 
@@ -390,7 +391,8 @@ def candidates(methods: set[str], calib: Path, quick: bool = False) -> list[Cand
     defaults.append(("recall", recall))
     for method in SPECTRAL:
         if method in methods:
-            add(method, "defaults", ["--method", method])
+            for alpha in SPECTRAL_ALPHAS:
+                add(method, f"α {alpha}", ["--method", method, "--alpha", str(alpha)])
             defaults.append((method, ["--method", method]))
     for family, argv in defaults:
         for a, b in LINES_GRID:
@@ -492,6 +494,14 @@ def cmd_table(args: argparse.Namespace) -> int:
         res[f"expert-{t}"] = bench.evaluate(e, f"expert-{t}")
     own = {t: res[f"expert-{t}"][t] for t in TASKS}
     cands = candidates(methods, calib, quick=args.quick)
+    if args.families:
+        keep = {f.strip() for f in args.families.split(",") if f.strip()}
+        known = {c.family.split(" + ")[0] for c in candidates(methods, calib)}
+        if keep - known:
+            raise SystemExit(
+                f"--families: unknown {', '.join(sorted(keep - known))} (known: {', '.join(sorted(known))})"
+            )
+        cands = [c for c in cands if c.family.split(" + ")[0] in keep]
     for i, c in enumerate(cands, 1):
         t0 = time.time()
         res[c.name] = bench.run_candidate(c)
@@ -561,6 +571,21 @@ def cmd_table(args: argparse.Namespace) -> int:
         else:
             reason = doc.get("winner_reason") or doc.get("no_winner_reason") or "see sweep_report.json"
             row(f"dghard sweep --budget {n}", f"no winner: {reason}", None)
+    for n, doc, _dt in sweeps:
+        cs = doc.get("candidates", [])
+        fam_names = sorted({str(c.get("family")) for c in cs})
+        print()
+        print(
+            f"sweep --budget {n}: {len(cs)} candidates ({', '.join(fam_names)}), scored by the sweep against BASE"
+        )
+        print(
+            f"and expert {TASKS[0]} (repair of what it damaged, retention of what it gained), not by normalised"
+        )
+        win = doc.get("winner")
+        if win:
+            print(f"accuracy; winner: {(win.get('reproduce') or {}).get('command')}")
+        else:
+            print(f"accuracy; no winner ({doc.get('no_winner_reason')})")
     for note in notes:
         print()
         print(note)
@@ -602,6 +627,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     t.add_argument("workdir")
     t.add_argument("--budgets", default="16,32", help="dghard sweep budgets, comma-separated (default 16,32)")
     t.add_argument("--quick", action="store_true", help="two merge rows only (tests)")
+    t.add_argument(
+        "--families",
+        help="only these merge methods' rows (comma-separated, e.g. tsv,iso-c; their --lines rows included)",
+    )
     t.set_defaults(func=cmd_table)
     args = ap.parse_args(argv)
     return int(args.func(args))
