@@ -110,6 +110,10 @@ class ExpertScale:
 
 FULL_EXPERT = ExpertScale(steps=300, lr=3e-4, batch=64)
 TINY_EXPERT = ExpertScale(steps=10, lr=1e-3, batch=32)
+# --base-sees-tags: continued pretraining on the old skills and the new tags' format (answer = the input)
+FULL_TAGS = ExpertScale(steps=400, lr=1e-3, batch=64)
+TINY_TAGS = ExpertScale(steps=5, lr=1e-3, batch=32)
+FORMAT = "-format"  # a sampler skill "TASK-format": TASK's prompt, answered by copying its letters
 
 
 # ---------------------------------------------------------------- data
@@ -117,6 +121,9 @@ TINY_EXPERT = ExpertScale(steps=10, lr=1e-3, batch=32)
 
 def make_example(skill: str, rng: random.Random) -> tuple[str, str]:
     """One ``(prompt, answer)`` pair of a new skill (``caesar`` is forgetting_bench's) or an old one."""
+    if skill.endswith(FORMAT):
+        p, _ = make_example(skill[: -len(FORMAT)], rng)
+        return p, p[2:-1]
     if skill in OLD_SKILLS or skill == "caesar":
         return fb.make_example(skill, rng)
     tag = TAGS[skill]
@@ -237,9 +244,18 @@ def expert_dir(work: Path, task: str) -> Path:
     return work / f"expert-{task}"
 
 
-def _base_stamp(tiny: bool, seed: int) -> dict[str, Any]:
+def _base_stamp(tiny: bool, seed: int, sees_tags: bool) -> dict[str, Any]:
     sc = fb.TINY if tiny else fb.FULL
-    return {"scale": sc.__dict__, "seed": seed, "vocab": list(fb.VOCAB)}
+    tags = (TINY_TAGS if tiny else FULL_TAGS).__dict__ if sees_tags else None
+    return {"scale": sc.__dict__, "seed": seed, "vocab": list(fb.VOCAB), "sees_tags": tags}
+
+
+def _see_tags(model: Any, tiny: bool, seed: int) -> None:
+    """Continued pretraining on the old skills and every new tag's format (its prompts, answered by
+    copying the letters): the base then reads the new tags without knowing any new skill."""
+    ts = TINY_TAGS if tiny else FULL_TAGS
+    skills = [*OLD_SKILLS, *(t + FORMAT for t in TASKS)]
+    fb.train(model, Sampler(skills, seed * 1000 + 77), ts.steps, ts.lr, ts.batch, "tags")
 
 
 def _fmt(res: dict[str, dict[str, float]]) -> str:
@@ -252,7 +268,7 @@ def _base(args: argparse.Namespace, work: Path) -> Any:
     sc = fb.TINY if args.tiny else fb.FULL
     base = work / "base"
     stamp = work / "base.stamp.json"
-    want = _base_stamp(args.tiny, args.seed)
+    want = _base_stamp(args.tiny, args.seed, args.base_sees_tags)
     if args.base_from:
         src = Path(args.base_from)
         cfg = json.loads((src / "config.json").read_text())
@@ -262,7 +278,12 @@ def _base(args: argparse.Namespace, work: Path) -> Any:
                 f"{src}: hidden/layers/vocab {got}, expected {(sc.hidden, sc.layers, len(fb.VOCAB))}"
             )
         shutil.rmtree(base, ignore_errors=True)
-        shutil.copytree(src, base)
+        if args.base_sees_tags:
+            model = fb.load_model(src)
+            _see_tags(model, args.tiny, args.seed)
+            fb.save_checkpoint(model, base)
+        else:
+            shutil.copytree(src, base)
         stamp.write_text(json.dumps({**want, "copied_from": str(src.resolve())}, indent=1) + "\n")
         print(f"base: copied from {src}", flush=True)
     elif (base / "model.safetensors").is_file() and stamp.is_file():
@@ -282,6 +303,8 @@ def _base(args: argparse.Namespace, work: Path) -> Any:
         fb.train(
             model, fb.Sampler(OLD_SKILLS, args.seed), sc.pretrain_steps, sc.pretrain_lr, sc.batch, "pretrain"
         )
+        if args.base_sees_tags:
+            _see_tags(model, args.tiny, args.seed)
         fb.save_checkpoint(model, base)
         stamp.write_text(json.dumps(want, indent=1) + "\n")
         print(f"base: pretrained in {time.time() - t0:.0f} s", flush=True)
@@ -611,6 +634,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--base-from",
         metavar="DIR",
         help="copy this BASE (forgetting_bench build's WORKDIR/base) instead of pretraining",
+    )
+    b.add_argument(
+        "--base-sees-tags",
+        action="store_true",
+        help="continue BASE's pretraining on the new tags' format (answer = the input's letters), "
+        "not on any new skill",
     )
     b.set_defaults(func=cmd_build)
     e = sub.add_parser(

@@ -46,7 +46,9 @@ def test_new_skills_answers() -> None:
         assert all(a[i] == s[i ^ 1] for i in range(len(s) - len(s) % 2))
         if len(s) % 2:
             assert a[-1] == s[-1]
-    assert mb.make_example("swap", random.Random(0))[1] != ""
+    for t in mb.TASKS:  # --base-sees-tags: the task's prompts, answered by copying the letters
+        p, a = mb.make_example(t + mb.FORMAT, random.Random(1))
+        assert p == mb.make_example(t, random.Random(1))[0] and a == p[2:-1]
     sets = mb.eval_sets()
     assert list(sets) == [*mb.OLD_SKILLS, *mb.TASKS]
     assert all(len(v) == mb.EVAL_N and len({p for p, _ in v}) == mb.EVAL_N for v in sets.values())
@@ -90,6 +92,26 @@ def test_tiny_build_eval_and_two_table_rows(tmp_path: Path, capsys: pytest.Captu
     other = tmp_path / "o"
     assert mb.main(["build", str(other), "--tiny", "--seed", "3", "--base-from", str(work / "base")]) == 0
     assert first == {t: (mb.expert_dir(other, t) / "model.safetensors").read_bytes() for t in mb.TASKS}
+    tags = tmp_path / "t"
+    assert (
+        mb.main(
+            [
+                "build",
+                str(tags),
+                "--tiny",
+                "--seed",
+                "3",
+                "--base-from",
+                str(work / "base"),
+                "--base-sees-tags",
+            ]
+        )
+        == 0
+    )
+    tagged = (tags / "base" / "model.safetensors").read_bytes()
+    assert tagged != (work / "base" / "model.safetensors").read_bytes()
+    with pytest.raises(SystemExit, match="other settings"):
+        mb.main(["build", str(tags), "--tiny", "--seed", "3"])  # a plain base was asked for
     with pytest.raises(SystemExit, match="other settings"):
         mb.main(["build", str(work), "--tiny", "--seed", "4"])
 
