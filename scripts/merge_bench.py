@@ -414,9 +414,13 @@ def candidates(methods: set[str], calib: Path, quick: bool = False) -> list[Cand
     defaults.append(("recall", recall))
     for method in SPECTRAL:
         if method in methods:
+            # bf16 output: on these experts the float64 Gram route's error bound (~1e-7) exceeds
+            # float32's resolution in some matrices, and dghard refuses a float32 output there
             for alpha in SPECTRAL_ALPHAS:
-                add(method, f"α {alpha}", ["--method", method, "--alpha", str(alpha)])
-            defaults.append((method, ["--method", method]))
+                add(
+                    method, f"α {alpha}, bf16", ["--method", method, "--alpha", str(alpha), "--dtype", "bf16"]
+                )
+            defaults.append((method, ["--method", method, "--dtype", "bf16"]))
     for family, argv in defaults:
         for a, b in LINES_GRID:
             add(f"{family} + --lines", f"A {a}, B {b}", [*argv, "--lines", f"{a},{b}"])
@@ -457,12 +461,19 @@ class Bench:
         self.eval_seconds.append(time.time() - t0)
         return res
 
-    def run_candidate(self, c: Candidate) -> dict[str, dict[str, float]]:
+    def run_candidate(self, c: Candidate) -> dict[str, dict[str, float]] | str:
+        """The candidate's scores, or dghard's one-line error when it refuses to write it."""
         shutil.rmtree(self.cand, ignore_errors=True)
         t0 = time.time()
         models = [str(self.base), *(str(e) for e in self.experts)]
-        fb.dghard(["merge", *c.argv, *models, "--out", str(self.cand)])
+        exe = [shutil.which("dghard")] if shutil.which("dghard") else [sys.executable, "-m", "dghard_cli"]
+        argv = [*exe, "merge", *c.argv, *models, "--out", str(self.cand), "--quiet"]
+        done = subprocess.run(argv, text=True, stderr=subprocess.PIPE)
         self.merge_seconds.append(time.time() - t0)
+        if done.returncode != 0:
+            shutil.rmtree(self.cand, ignore_errors=True)
+            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+            return f"exit {done.returncode}: {lines[-1] if lines else 'no message'}"
         try:
             return self.evaluate(self.cand, c.name)
         finally:
@@ -513,6 +524,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         notes.append(f"{', '.join(missing)}: skipped, this dghard's `merge --method` has no such method.")
         print(notes[-1], flush=True)
     res: dict[str, dict[str, dict[str, float]]] = {"BASE": bench.evaluate(bench.base, "BASE")}
+    refused: dict[str, str] = {}
     for t, e in zip(TASKS, bench.experts, strict=True):
         res[f"expert-{t}"] = bench.evaluate(e, f"expert-{t}")
     own = {t: res[f"expert-{t}"][t] for t in TASKS}
@@ -527,8 +539,12 @@ def cmd_table(args: argparse.Namespace) -> int:
         cands = [c for c in cands if c.family.split(" + ")[0] in keep]
     for i, c in enumerate(cands, 1):
         t0 = time.time()
-        res[c.name] = bench.run_candidate(c)
-        r = res[c.name]
+        r = bench.run_candidate(c)
+        if isinstance(r, str):
+            refused[c.name] = r
+            print(f"[table] {i}/{len(cands)} {c.name}: refused, {r}", flush=True)
+            continue
+        res[c.name] = r
         print(f"[table] {i}/{len(cands)} {c.name}: {_fmt(r)} ({time.time() - t0:.1f} s)", flush=True)
     sweeps: list[tuple[int, dict[str, Any], float]] = []
     ref_files = [bench.results / "BASE.json", *(bench.results / f"expert-{t}.json" for t in TASKS)]
@@ -542,6 +558,8 @@ def cmd_table(args: argparse.Namespace) -> int:
         print(f"[table] sweep --budget {n}: {dt:.0f} s, {doc['budget']['run_now']} evaluations", flush=True)
 
     def norm(name: str) -> tuple[float | None, float | None]:
+        if name not in res:
+            return None, None
         try:
             return normalised_accuracy(res[name], own)
         except ValueError:
@@ -560,7 +578,9 @@ def cmd_table(args: argparse.Namespace) -> int:
         fams.setdefault(c.family, []).append(c)
     for fam, cs in fams.items():
         if len(cs) > 1:
-            grid = ", ".join(f"{c.setting}: {_cell(norm(c.name)[0])}" for c in cs)
+            grid = ", ".join(
+                f"{c.setting}: {'refused' if c.name in refused else _cell(norm(c.name)[0])}" for c in cs
+            )
             print(f"{fam}, normalised accuracy by setting: {grid}")
     print()
     head = " | ".join(TASKS)
@@ -580,8 +600,15 @@ def cmd_table(args: argparse.Namespace) -> int:
     for t in TASKS:
         row(f"expert {t} alone", "", f"expert-{t}")
     for fam, cs in fams.items():
-        best = max(cs, key=lambda c: key(c.name))
-        row(fam, f"best of {len(cs)}: {best.setting}" if len(cs) > 1 else best.setting, best.name)
+        ok = [c for c in cs if c.name in res]
+        if not ok:
+            row(fam, f"refused by dghard: {refused[cs[0].name]}", None)
+            continue
+        best = max(ok, key=lambda c: key(c.name))
+        setting = f"best of {len(ok)}: {best.setting}" if len(ok) > 1 else best.setting
+        if len(ok) < len(cs):
+            setting += f" ({len(cs) - len(ok)} refused by dghard)"
+        row(fam, setting, best.name)
     for n, doc, _dt in sweeps:
         win = doc.get("winner")
         if win:
