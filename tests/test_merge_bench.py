@@ -145,3 +145,16 @@ def test_full_candidate_grid_covers_every_method(tmp_path: Path) -> None:
     assert fams == plain | {f"{f} + --lines" for f in plain}
     assert len({c.name for c in cands}) == len(cands)
     assert all(c.argv[0] == "--method" for c in cands)
+
+
+def test_a_refused_merge_is_reported_not_fatal(tmp_path: Path) -> None:
+    mb = _bench()
+    work = tmp_path / "w"
+    assert mb.main(["build", str(work), "--tiny"]) == 0
+    bench = mb.Bench(work)
+    bench.results.mkdir(parents=True)
+    got = bench.run_candidate(
+        mb.Candidate("bad", "ties", "density 7", ["--method", "ties", "--density", "7"])
+    )
+    assert isinstance(got, str) and got.startswith("exit 2: ") and "density" in got
+    assert not bench.cand.exists()
