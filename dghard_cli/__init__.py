@@ -26,6 +26,8 @@ _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
 
+import sys as _sys  # noqa: E402
+import types as _types  # noqa: E402
 from importlib import import_module as _import_module  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402
 from typing import TYPE_CHECKING as _TYPE_CHECKING  # noqa: E402
@@ -149,3 +151,21 @@ __all__ = [
     "RuntimeFailure",
     "Interrupted",
 ]
+
+
+class _Package(_types.ModuleType):
+    """``dghard_cli`` itself, whose public names are never rebound to a submodule.
+
+    Importing a submodule binds it on its package, and ``merge``, ``repair``, ``sweep`` and
+    ``score`` are submodules too: once anything imported ``dghard_cli.merge`` (the CLI does),
+    ``from dghard_cli import merge`` would give the module instead of the function. The
+    submodule stays in ``sys.modules``, where imports find it.
+    """
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in __all__ and isinstance(value, _types.ModuleType):
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package
