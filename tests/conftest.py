@@ -208,3 +208,23 @@ def f64(t: torch.Tensor) -> np.ndarray:
 def _offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+@pytest.fixture(scope="session")
+def three_fine_tunes(tmp_path_factory) -> dict:
+    """BASE and three fine-tunes of it (fp32, Llama tensor names, 2 layers of width 64, vocabulary
+    256; the fine-tunes in 3, 1 and 2 shards), as directories and loaded: the merge methods' inputs."""
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
+
+    cfg = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)
+    root = tmp_path_factory.mktemp("merge-models")
+    base, ft1 = make_pair(root / "a", cfg, ft_shards=3, seed=0)
+    _, ft2 = make_pair(root / "b", cfg, ft_shards=1, seed=0, delta_seed=11)
+    _, ft3 = make_pair(root / "c", cfg, ft_shards=2, seed=0, delta_seed=22)
+    return {
+        "base_dir": base,
+        "ft_dirs": [ft1, ft2, ft3],
+        "root": root,
+        "base": load_dir(base),
+        "fts": [load_dir(p) for p in (ft1, ft2, ft3)],
+    }
