@@ -13,6 +13,7 @@ import logging
 import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -188,6 +189,40 @@ def run_dghard(
         os.environ.clear()
         os.environ.update(saved_env)
     return subprocess.CompletedProcess([PROG_NAME, *argv], res.exit_code, res.stdout, res.stderr)
+
+
+def interrupt_hanging_sweep(
+    args: list, marker: Path, *, hang_after: int, wait: float
+) -> tuple[subprocess.CompletedProcess, dict[str, str]]:
+    """SIGTERM a ``dghard sweep ARGS`` process while its evaluation number ``hang_after + 1`` hangs.
+
+    The stand-in evaluation of tests/test_sweep.py hangs after ``SWEEP_HANG_AFTER`` evaluations
+    and writes its pid to ``marker``; the sweep is a real process because the signal is the
+    subject. Returns the finished process and the environment to rerun it with (the same,
+    without ``SWEEP_HANG_AFTER``).
+    """
+    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", SWEEP_HANG_AFTER=str(hang_after))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dghard_cli", *map(str, args)],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + wait
+        while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.05)
+        assert marker.exists(), proc.communicate()
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        stdout, stderr = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:  # an assertion failed: no sweep left running
+            proc.kill()
+            proc.communicate()
+    env.pop("SWEEP_HANG_AFTER")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr), env
 
 
 def load_dir(path: Path) -> dict[str, torch.Tensor]:
