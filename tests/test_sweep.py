@@ -7,17 +7,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, f64, load_dir, run_dghard
+from conftest import REPO, f64, interrupt_hanging_sweep, load_dir, run_dghard
 from reference import ref_weights
 
 from dghard_cli.errors import InputError
@@ -382,22 +378,9 @@ def test_an_interrupted_sweep_resumes_without_evaluating_anything_twice(pair, un
         "--candidates",
         pair.candidates,
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", SWEEP_HANG_AFTER="7")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dghard_cli", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     marker = pair.root / "hanging"
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert marker.exists(), proc.communicate()
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
+    proc, env = interrupt_hanging_sweep(args, marker, hang_after=7, wait=60)
+    stderr = proc.stderr
     assert proc.returncode == 3, stderr
     assert "interrupted" in stderr and "run the same command again" in stderr
     eval_pid = int(marker.read_text())
@@ -408,7 +391,6 @@ def test_an_interrupted_sweep_resumes_without_evaluating_anything_twice(pair, un
     assert len(finished) == 7  # base, FT, five candidates; the eighth was interrupted
 
     pair.reset_calls()
-    env.pop("SWEEP_HANG_AFTER")
     # a mistyped rerun is refused and leaves the cache of the interrupted run alone
     r = run_dghard(*args, "--target", "tsak", env=env)
     assert r.returncode == 2 and "--target 'tsak': no such benchmark" in r.stderr
