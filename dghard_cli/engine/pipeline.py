@@ -132,8 +132,13 @@ class _Prefetcher(threading.Thread):
             return job, raw, held
 
     def shutdown(self) -> None:
+        """Stop reading and wait for the thread: a daemon thread still inside torch when the
+        interpreter exits (an interrupted run) can abort the process in torch's teardown
+        ("terminate called without an active exception", exit -6 instead of 3)."""
         self.stop.set()
         self.budget.close()
+        if self.is_alive() and threading.current_thread() is not self:
+            self.join(timeout=60)
 
 
 class _Writer(threading.Thread):
