@@ -258,6 +258,14 @@ def render_adapter(console: Console, doc: dict) -> None:
     size, full = a.get("bytes") or 0, a.get("full_checkpoint_bytes") or 0
     ratio = f" ({100 * size / full:.2f} % of the {full / 1e6:.1f} MB full checkpoint)" if full else ""
     t.add_row("size", f"{size / 1e6:.2f} MB{ratio}")
+    if a.get("exact", True):
+        fidelity = "exact (every module keeps its whole update)"
+    else:
+        fidelity = (
+            f"LOSSY, asked for by {a.get('cut_by')}: keeps {100 * a.get('energy_kept', 0.0):.1f} % of the "
+            f"update's energy ({a.get('lossy_modules')} modules cut; --merge writes the exact model)"
+        )
+    t.add_row("adapter", fidelity)
     t.add_row(
         "energy lost",
         f"{a.get('energy_lost_max', 0.0):.3g} (largest share of a module's update cut by the rank limit: "
