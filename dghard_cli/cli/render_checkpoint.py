@@ -210,6 +210,14 @@ def render_report(console: Console, doc: dict) -> None:
 
 def render_verify(console: Console, directory, doc: dict) -> None:
     skipped = f"; not checked: {', '.join(doc['skipped'])}" if doc.get("skipped") else ""
+    if doc.get("kind") == "peft-lora":
+        console.print(
+            Text(
+                f"{directory}: OK — PEFT adapter, {doc['modules']} LoRA modules, {doc['tensors']} tensors, "
+                f"{doc['bytes'] / 1e6:.2f} MB; checked {', '.join(doc['checks'])}{skipped}"
+            )
+        )
+        return
     console.print(
         Text(
             f"{directory}: OK — {doc['tensors']} tensors in {doc['shards']} shard(s), "
