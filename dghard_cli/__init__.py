@@ -24,11 +24,13 @@ import os as _os
 # setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-__version__ = "0.1.0"
-
+import sys as _sys  # noqa: E402
 from importlib import import_module as _import_module  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402
+from types import ModuleType as _ModuleType  # noqa: E402
 from typing import TYPE_CHECKING as _TYPE_CHECKING  # noqa: E402
+
+from dghard_cli._version import __version__  # noqa: E402
 
 #: where each public name is defined. Nothing is imported until a name is used (PEP 562), so
 #: ``import dghard_cli`` -- and ``dghard --version`` or ``--help`` -- loads neither torch nor
@@ -157,3 +159,18 @@ __all__ = [
     "RuntimeFailure",
     "Interrupted",
 ]
+
+
+class _Package(_ModuleType):
+    """This package's module object. Importing a submodule binds it on its package under its
+    own name, and four public functions share a name with one (``repair``, ``merge``,
+    ``sweep``, ``score``): the function keeps the name (``dghard_cli.repair`` is the function
+    however much of the package is loaded; the submodule stays in ``sys.modules``)."""
+
+    def __setattr__(self, name: str, value: object) -> None:
+        if name in __all__ and isinstance(value, _ModuleType) and value.__name__ == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+_sys.modules[__name__].__class__ = _Package

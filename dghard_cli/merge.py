@@ -38,10 +38,12 @@ from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 from dghard_cli.lora.output import AdapterOutput, LoraOutputOptions
 from dghard_cli.lora.source import open_ft
 from dghard_cli.methods import registry
-from dghard_cli.methods import schedule as sched
 from dghard_cli.methods.calibration import RecallOptions, recall_weights
 from dghard_cli.methods.merge_ops import WHOLE_BYTES
 from dghard_cli.methods.per_tensor import PerTensorOp, TensorParameterSource, tensor_parameter_sets
+from dghard_cli.schedule.bind import bind as bind_schedule
+from dghard_cli.schedule.op import wrap as wrap_scheduled
+from dghard_cli.schedule.spec import LayerSchedule
 
 
 @dataclass
@@ -70,7 +72,7 @@ class MergeOptions:
     block_bytes: int = 64 * 1024 * 1024  # row blocks of large tensors (work copies of all inputs)
     whole_bytes: int = WHOLE_BYTES  # TIES: whole tensors up to this size (all work copies)
     create_parents: bool = False  # make OUT's missing parent directories (a recipe's ``out``)
-    schedule: sched.LayerSchedule | None = None  # --lines / --layer-strengths (registry.COMMON)
+    schedule: LayerSchedule | None = None  # --lines / --layer-strengths (registry.COMMON)
     #: parameters that vary by tensor (a mergekit recipe's gradients/filters): ``(name, layers) ->
     #: parameter values by name``, see :mod:`dghard_cli.methods.per_tensor`
     tensor_parameters: TensorParameterSource | None = None
@@ -168,7 +170,7 @@ def merge(
         )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
         _check_dtypes(ft_cks)
-        strengths = sched.bind(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
+        strengths = bind_schedule(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}
         recall_w = None
         extra: dict = {}
@@ -196,7 +198,7 @@ def merge(
 
         if strengths is not None:
             extra["layer_strengths"] = strengths.report()
-            make_op = sched.wrap(make_op)
+            make_op = wrap_scheduled(make_op)
         if output.format == "peft":
             if opts.create_parents and not opts.run.dry_run:
                 Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)

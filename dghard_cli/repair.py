@@ -3,7 +3,7 @@
 W* = W_base + Δ*,   Δ* = the singular components of Δ = W_ft − W_base that survive the
                           Gavish–Donoho cut (or another shrinker's weights).
 
-With a layer-strength schedule (``schedule``, see :mod:`dghard_cli.methods.schedule`):
+With a layer-strength schedule (``schedule``, see :mod:`dghard_cli.schedule`):
 W = W_base + λ(ℓ)·Δ* — or W_base + λ(ℓ)·Δ when ``spec`` is None (no spectral filter).
 """
 
@@ -19,8 +19,11 @@ from dghard_cli.errors import InputError
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.lora.output import AdapterOutput, LoraOutputOptions
 from dghard_cli.lora.source import open_ft
-from dghard_cli.methods import schedule as sched
 from dghard_cli.methods.dg_hard import SpectralFilterOp, default_block_bytes
+from dghard_cli.schedule.bind import bind as bind_schedule
+from dghard_cli.schedule.bind import scheduled_eligibility
+from dghard_cli.schedule.op import wrap as wrap_scheduled
+from dghard_cli.schedule.spec import LayerSchedule
 from dghard_cli.spectral.spectrum import ShrinkSpec
 
 
@@ -33,7 +36,7 @@ class RepairOptions:
     ft_revision: str | None = None
     block_bytes: int | None = None  # float64 block size of the spectral passes; None: by device
     route: str = "auto"  # auto | gram64 | qr32 (see spectral.choose_route)
-    schedule: sched.LayerSchedule | None = None  # --lines / --layer-strengths
+    schedule: LayerSchedule | None = None  # --lines / --layer-strengths
     lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
 
 
@@ -94,9 +97,9 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             spec=spec,
             out_dtype=opts.policy.out_dtype,
         )
-        eligible = sched.scheduled_eligibility(opts.policy) if spec is None else None
+        eligible = scheduled_eligibility(opts.policy) if spec is None else None
         plan = build_plan(base_ck, [ft_ck], opts.policy, eligible=eligible)
-        strengths = sched.bind(opts.schedule, plan, ft_ck) if opts.schedule is not None else None
+        strengths = bind_schedule(opts.schedule, plan, ft_ck) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}
 
         def make_op(device):
@@ -104,7 +107,7 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
                 return None
             return SpectralFilterOp(spec, device, opts.block_bytes or default_block_bytes(device), opts.route)
 
-        run_op = sched.wrap(make_op) if strengths is not None else make_op
+        run_op = wrap_scheduled(make_op) if strengths is not None else make_op
         if output.format == "peft":
             return output.write(
                 out=Path(out),

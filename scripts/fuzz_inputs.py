@@ -241,7 +241,7 @@ def _adapter_target():
 
 def _recipe_target():
     try:
-        from dghard_cli.methods.recipe import load_recipe as load
+        from dghard_cli.recipes.recipe import load_recipe as load
     except ImportError:
         return None
 

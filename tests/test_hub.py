@@ -1,4 +1,7 @@
-"""Hugging Face Hub ids, resolved offline from a local cache laid out as huggingface_hub does."""
+"""Hugging Face Hub ids, resolved offline from a local cache laid out as huggingface_hub does.
+
+Each run is a fresh process: huggingface_hub reads HF_HUB_CACHE, HF_HOME, HF_HUB_OFFLINE and
+HF_ENDPOINT once, at import, and these tests set them per run."""
 
 from __future__ import annotations
 
@@ -7,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from conftest import load_dir, run_dghard
+from conftest import load_dir, run_dghard_process
 
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
@@ -37,18 +40,18 @@ def test_repair_from_hub_ids_offline_with_the_cache(tmp_path):
     cache_repo(cache, "acme/tiny-ft", ft, "b" * 40)
     env = {"HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home")}
     out = tmp_path / "out"
-    r = run_dghard("repair", "acme/tiny-base", "acme/tiny-ft", out, "--json", env=env)
+    r = run_dghard_process("repair", "acme/tiny-base", "acme/tiny-ft", out, "--json", env=env)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)
     assert doc["inputs"]["ft"]["source"] == "acme/tiny-ft"
     assert load_dir(out).keys() == load_dir(ft).keys()
     # a pinned revision that the cache holds
-    r = run_dghard(
+    r = run_dghard_process(
         "repair", "acme/tiny-base", "acme/tiny-ft", tmp_path / "out2", "--revision", "b" * 40, "-q", env=env
     )
     assert r.returncode == 0, r.stderr
     # one it does not: a one-line error that names the id and says how to fix it
-    r = run_dghard("repair", "acme/tiny-base", "acme/missing", tmp_path / "out3", env=env)
+    r = run_dghard_process("repair", "acme/tiny-base", "acme/missing", tmp_path / "out3", env=env)
     assert r.returncode == 2 and "acme/missing" in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
@@ -57,7 +60,7 @@ def test_a_hub_miss_says_what_to_do_for_the_offline_setting_in_force(tmp_path):
     cache = tmp_path / "cache"
     cache.mkdir()
     base, _ = make_pair(tmp_path / "src", CFG)
-    offline = run_dghard(
+    offline = run_dghard_process(
         "repair",
         base,
         "acme/not-cached",
@@ -68,7 +71,7 @@ def test_a_hub_miss_says_what_to_do_for_the_offline_setting_in_force(tmp_path):
     assert "HF_HUB_OFFLINE is set" in offline.stderr and str(cache) in offline.stderr
     assert "set HF_HUB_OFFLINE=1" not in offline.stderr
     # online, with a Hub endpoint that refuses connections: the offline cache is the suggestion
-    online = run_dghard(
+    online = run_dghard_process(
         "repair",
         base,
         "acme/not-cached",

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, f64, load_dir, run_dghard
+from conftest import REPO, f64, load_dir, run_dghard, run_dghard_process
 from reference import ref_mp_median, ref_weights
 from scipy import integrate
 
@@ -306,16 +306,17 @@ def test_report_html_from_a_finished_repair(pair, tmp_path):
 
 
 def test_missing_matplotlib_is_exit_2_naming_the_extra(pair, tmp_path):
+    """A fresh interpreter whose PYTHONPATH puts a broken matplotlib first (so: a process)."""
     fake = tmp_path / "fake"
     (fake / "matplotlib").mkdir(parents=True)
     (fake / "matplotlib" / "__init__.py").write_text("raise ImportError('no matplotlib here')\n")
     b, f = pair
     env = {"PYTHONPATH": f"{fake}{os.pathsep}{REPO}"}
-    r = run_dghard("inspect", b, f, "--plot", tmp_path / "p", env=env)
+    r = run_dghard_process("inspect", b, f, "--plot", tmp_path / "p", env=env)
     assert r.returncode == 2, r.stderr
     assert "dghard[plot]" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "p").exists()
-    r = run_dghard("inspect", b, f, "--json", env=env)  # without plots, no matplotlib needed
+    r = run_dghard_process("inspect", b, f, "--json", env=env)  # without plots, no matplotlib needed
     assert r.returncode == 0 and json.loads(r.stdout)["command"] == "inspect"
 
 

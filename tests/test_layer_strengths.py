@@ -19,7 +19,7 @@ from reference import ref_filter
 from dghard_cli import MergeOptions, PolicyOptions, RepairOptions, RunOptions, ShrinkSpec, merge, repair
 from dghard_cli.errors import InputError
 from dghard_cli.methods import dare as dare_mod
-from dghard_cli.methods.schedule import (
+from dghard_cli.schedule.spec import (
     LayerSchedule,
     parse_layer_strengths,
     parse_lines,
@@ -564,7 +564,7 @@ def test_schedule_on_blocks_that_split_rows(tmp_path, piece_elems, chunk_elems):
     from dghard_cli.engine.ops import JobInputs, passthrough
     from dghard_cli.engine.plan import TensorJob
     from dghard_cli.io.checkpoint import Checkpoint
-    from dghard_cli.methods.schedule import ScheduledOp
+    from dghard_cli.schedule.op import ScheduledOp
 
     base, ft, b, f = pair(tmp_path, "llama", "float32")
     name = "model.layers.1.mlp.up_proj.weight"

@@ -15,8 +15,8 @@ from dghard_cli.cli import app
 from dghard_cli.errors import InputError
 from dghard_cli.methods import registry
 from dghard_cli.methods.declare import COMMON, LAYER_STRENGTHS, LINES
-from dghard_cli.methods.recipe import load_recipe, top_keys
-from dghard_cli.methods.schedule import LayerSchedule, parse_layer_strengths
+from dghard_cli.recipes.recipe import load_recipe, top_keys
+from dghard_cli.schedule.spec import LayerSchedule, parse_layer_strengths
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(model_type="llama", hidden_size=32, intermediate_size=64, num_hidden_layers=3)

@@ -673,7 +673,7 @@ def test_lines_on_an_adapter_is_an_adapter_with_each_module_scaled(case, bases, 
     written as a full checkpoint"). Now each module's B is scaled by its block's λ (the exact route,
     no base weight read for the factors), full tensors get W_base + λ·Δ, and PEFT's logits equal a
     float64 model with W_base + λ(ℓ)·ΔW."""
-    from dghard_cli.methods.schedule import parse_lines
+    from dghard_cli.schedule.spec import parse_lines
 
     kind, lora = ADAPTER_SCHEDULES[case]
     base = bases[kind]
@@ -717,7 +717,7 @@ def test_lines_on_an_adapter_is_an_adapter_with_each_module_scaled(case, bases, 
 
 
 def test_wise_ft_under_lines_of_an_adapter_scales_by_alpha_times_lambda(bases, tmp_path):
-    from dghard_cli.methods.schedule import parse_lines
+    from dghard_cli.schedule.spec import parse_lines
 
     base = bases["llama"]
     ad = make_adapter(
@@ -740,7 +740,7 @@ def test_format_peft_of_dg_hard_under_lines_gives_the_full_runs_logits(bases, fu
     """DG-Hard's Δ* scaled by λ(ℓ) is still low-rank: the adapter keeps each module's kept rank
     and gives the full checkpoint's logits; a schedule alone on a full fine-tune is not low-rank and
     needs --rank, like WiSE-FT."""
-    from dghard_cli.methods.schedule import parse_lines
+    from dghard_cli.schedule.spec import parse_lines
 
     base, ft = bases["llama"], full_fts["llama"]
     sched = parse_lines("0.5,0.5")

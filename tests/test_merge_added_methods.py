@@ -31,21 +31,6 @@ TOL = 1e-6
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """BASE and three fine-tunes of it (fp32; the fine-tunes in 3, 1 and 2 shards)."""
-    root = tmp_path_factory.mktemp("added-models")
-    base, ft1 = make_pair(root / "a", CFG, ft_shards=3, seed=0)
-    _, ft2 = make_pair(root / "b", CFG, ft_shards=1, seed=0, delta_seed=11)
-    _, ft3 = make_pair(root / "c", CFG, ft_shards=2, seed=0, delta_seed=22)
-    return {
-        "base_dir": base,
-        "ft_dirs": [ft1, ft2, ft3],
-        "base": load_dir(base),
-        "fts": [load_dir(p) for p in (ft1, ft2, ft3)],
-    }
-
-
 def options(**kw) -> MergeOptions:
     """MergeOptions with the added methods' parameters (``t``, ``gamma``, ...) in ``extra``."""
     fields = {f.name for f in dataclasses.fields(MergeOptions)}
@@ -53,15 +38,15 @@ def options(**kw) -> MergeOptions:
     return MergeOptions(**kw, extra=extra)
 
 
-def run_merge(models, out, method, n, **kw):
+def run_merge(three_fine_tunes, out, method, n, **kw):
     opts = options(method=method, run=RunOptions(device="cpu", quiet=True), **kw)
-    doc = merge(models["base_dir"], models["ft_dirs"][:n], out, opts)
+    doc = merge(three_fine_tunes["base_dir"], three_fine_tunes["ft_dirs"][:n], out, opts)
     return doc, load_dir(out)
 
 
-def check_all(models, merged, n, ref_fn, tol=TOL):
+def check_all(three_fine_tunes, merged, n, ref_fn, tol=TOL):
     """Every tensor of the output against ``ref_fn(name, base, [ft...])`` (float32 arrays in)."""
-    base, fts = models["base"], models["fts"][:n]
+    base, fts = three_fine_tunes["base"], three_fine_tunes["fts"][:n]
     assert set(merged) == set(base)
     for name, b in base.items():
         ref = ref_fn(name, b.numpy(), [f[name].numpy() for f in fts])
@@ -77,14 +62,14 @@ def f64s(b, fs):
 
 
 @pytest.mark.parametrize("t", [0.0, 0.3, 0.75, 1.0])
-def test_slerp(models, tmp_path, t):
-    doc, merged = run_merge(models, tmp_path / "o", "slerp", 1, t=t)
+def test_slerp(three_fine_tunes, tmp_path, t):
+    doc, merged = run_merge(three_fine_tunes, tmp_path / "o", "slerp", 1, t=t)
 
     def ref(name, b, fs):
         b64, (f64_,) = f64s(b, fs)
         return M.ref_slerp(b64, f64_, t)
 
-    check_all(models, merged, 1, ref)
+    check_all(three_fine_tunes, merged, 1, ref)
     by = {r["name"]: r for r in doc["tensors"]}
     # norms move little: nearly colinear, the linear rule; matrices here are not
     assert by["model.norm.weight"]["slerp_rule"] == "linear"
@@ -92,13 +77,13 @@ def test_slerp(models, tmp_path, t):
     assert doc["merge"]["spherical_tensors"] + doc["merge"]["linear_tensors"] == len(by)
     assert doc["parameters"]["t"] == t
     if t == 0.0:
-        for name, b in models["base"].items():
+        for name, b in three_fine_tunes["base"].items():
             assert rel(f64(merged[name]), f64(b)) <= 1e-7, name
 
 
-def test_slerp_in_row_blocks_and_pure_function(models, tmp_path):
-    _, whole = run_merge(models, tmp_path / "w", "slerp", 1, t=0.4)
-    _, blocks = run_merge(models, tmp_path / "b", "slerp", 1, t=0.4, block_bytes=2048)
+def test_slerp_in_row_blocks_and_pure_function(three_fine_tunes, tmp_path):
+    _, whole = run_merge(three_fine_tunes, tmp_path / "w", "slerp", 1, t=0.4)
+    _, blocks = run_merge(three_fine_tunes, tmp_path / "b", "slerp", 1, t=0.4, block_bytes=2048)
     for name in whole:
         assert rel(f64(blocks[name]), f64(whole[name])) <= 1e-7, name
     a = torch.randn(50, 40, dtype=torch.float64)
@@ -111,11 +96,11 @@ def test_slerp_in_row_blocks_and_pure_function(models, tmp_path):
     assert torch.allclose(z, torch.full((5,), math.sin(math.pi / 4), dtype=torch.float64))
 
 
-def test_slerp_takes_exactly_one_finetune(models, tmp_path):
+def test_slerp_takes_exactly_one_finetune(three_fine_tunes, tmp_path):
     with pytest.raises(InputError, match="one fine-tune; got 2"):
-        run_merge(models, tmp_path / "o", "slerp", 2)
+        run_merge(three_fine_tunes, tmp_path / "o", "slerp", 2)
     with pytest.raises(InputError, match=r"--t must be in \[0, 1\]"):
-        run_merge(models, tmp_path / "o", "slerp", 1, t=1.5)
+        run_merge(three_fine_tunes, tmp_path / "o", "slerp", 1, t=1.5)
     assert not (tmp_path / "o").exists()
 
 
@@ -124,16 +109,18 @@ def test_slerp_takes_exactly_one_finetune(models, tmp_path):
 
 @pytest.mark.parametrize("method", ["breadcrumbs", "breadcrumbs-ties"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_breadcrumbs(models, tmp_path, method, n):
+def test_breadcrumbs(three_fine_tunes, tmp_path, method, n):
     w = [1.0, 0.5, 2.0][:n]
     ties = method == "breadcrumbs-ties"
-    doc, merged = run_merge(models, tmp_path / "o", method, n, weights=w, density=0.6, gamma=0.05, lam=0.9)
+    doc, merged = run_merge(
+        three_fine_tunes, tmp_path / "o", method, n, weights=w, density=0.6, gamma=0.05, lam=0.9
+    )
 
     def ref(name, b, fs):
         b64, f64_ = f64s(b, fs)
         return M.ref_breadcrumbs(b64, f64_, w, 0.6, 0.05, 0.9, ties=ties, normalize=False)
 
-    check_all(models, merged, n, ref)
+    check_all(three_fine_tunes, merged, n, ref)
     for r in doc["tensors"]:
         numel = math.prod(r["shape"])
         assert r["kept"] == [int(0.6 * numel)] * n, r["name"]
@@ -142,17 +129,17 @@ def test_breadcrumbs(models, tmp_path, method, n):
     assert doc["parameters"].get("normalize") is (False if ties else None)
 
 
-def test_breadcrumbs_ties_normalized_and_blocks(models, tmp_path):
+def test_breadcrumbs_ties_normalized_and_blocks(three_fine_tunes, tmp_path):
     w = [1.0, 0.5, 2.0]
     kw = dict(weights=w, density=0.5, gamma=0.1, normalize=True)
-    _, merged = run_merge(models, tmp_path / "o", "breadcrumbs-ties", 3, **kw)
+    _, merged = run_merge(three_fine_tunes, tmp_path / "o", "breadcrumbs-ties", 3, **kw)
 
     def ref(name, b, fs):
         b64, f64_ = f64s(b, fs)
         return M.ref_breadcrumbs(b64, f64_, w, 0.5, 0.1, 1.0, ties=True, normalize=True)
 
-    check_all(models, merged, 3, ref)
-    _, blocks = run_merge(models, tmp_path / "b", "breadcrumbs-ties", 3, block_bytes=4096, **kw)
+    check_all(three_fine_tunes, merged, 3, ref)
+    _, blocks = run_merge(three_fine_tunes, tmp_path / "b", "breadcrumbs-ties", 3, block_bytes=4096, **kw)
     for name in merged:
         assert torch.equal(blocks[name], merged[name]), name
 
@@ -193,14 +180,14 @@ def test_breadcrumbs_counts():
 
 @pytest.mark.parametrize("method", ["della", "della-linear"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_della(models, tmp_path, method, n):
+def test_della(three_fine_tunes, tmp_path, method, n):
     w = [1.0, 0.7, 0.4][:n]
     ties = method == "della"
     doc, merged = run_merge(
-        models, tmp_path / "o", method, n, weights=w, density=0.4, epsilon=0.1, lam=0.9, seed=7
+        three_fine_tunes, tmp_path / "o", method, n, weights=w, density=0.4, epsilon=0.1, lam=0.9, seed=7
     )
     check_all(
-        models,
+        three_fine_tunes,
         merged,
         n,
         lambda name, b, fs: M.ref_della(b, fs, w, 0.4, 0.1, 0.9, 7, name, CHUNK, ties=ties, normalize=True),
@@ -215,18 +202,18 @@ def test_della(models, tmp_path, method, n):
     assert "dghard-della" in doc["parameters"]["random_stream"]
 
 
-def test_della_identical_across_blocks_and_seeded(models, tmp_path):
+def test_della_identical_across_blocks_and_seeded(three_fine_tunes, tmp_path):
     kw = dict(density=0.5, epsilon=0.2, seed=3, normalize=False)
-    _, first = run_merge(models, tmp_path / "o1", "della", 3, **kw)
-    _, blocks = run_merge(models, tmp_path / "o2", "della", 3, block_bytes=1024, **kw)
-    _, other = run_merge(models, tmp_path / "o3", "della", 3, **{**kw, "seed": 4})
+    _, first = run_merge(three_fine_tunes, tmp_path / "o1", "della", 3, **kw)
+    _, blocks = run_merge(three_fine_tunes, tmp_path / "o2", "della", 3, block_bytes=1024, **kw)
+    _, other = run_merge(three_fine_tunes, tmp_path / "o3", "della", 3, **{**kw, "seed": 4})
     for name in first:
         assert torch.equal(first[name], blocks[name]), name
     assert not torch.equal(
         first["model.layers.0.mlp.up_proj.weight"], other["model.layers.0.mlp.up_proj.weight"]
     )
     check_all(
-        models,
+        three_fine_tunes,
         first,
         3,
         lambda name, b, fs: M.ref_della(
@@ -279,14 +266,14 @@ def test_della_bad_parameters(kw, message):
 
 @pytest.mark.parametrize("n", [2, 3])
 @pytest.mark.parametrize("filter_wise", [False, True])
-def test_model_stock(models, tmp_path, n, filter_wise):
-    doc, merged = run_merge(models, tmp_path / "o", "model-stock", n, filter_wise=filter_wise)
+def test_model_stock(three_fine_tunes, tmp_path, n, filter_wise):
+    doc, merged = run_merge(three_fine_tunes, tmp_path / "o", "model-stock", n, filter_wise=filter_wise)
 
     def ref(name, b, fs):
         b64, f64_ = f64s(b, fs)
         return M.ref_model_stock(b64, f64_, filter_wise)
 
-    check_all(models, merged, n, ref)
+    check_all(three_fine_tunes, merged, n, ref)
     if not filter_wise:
         assert all(r["stock_t"] is not None for r in doc["tensors"])
 
@@ -303,9 +290,9 @@ def test_model_stock_agreeing_finetunes_give_their_average(tmp_path):
         resolve_parameters(MergeOptions(method="model-stock"), 1)
 
 
-def test_model_stock_in_row_blocks(models, tmp_path):
-    _, whole = run_merge(models, tmp_path / "w", "model-stock", 3)
-    _, blocks = run_merge(models, tmp_path / "b", "model-stock", 3, block_bytes=2048)
+def test_model_stock_in_row_blocks(three_fine_tunes, tmp_path):
+    _, whole = run_merge(three_fine_tunes, tmp_path / "w", "model-stock", 3)
+    _, blocks = run_merge(three_fine_tunes, tmp_path / "b", "model-stock", 3, block_bytes=2048)
     for name in whole:
         assert rel(f64(blocks[name]), f64(whole[name])) <= 1e-7, name
 
@@ -314,12 +301,12 @@ def test_model_stock_in_row_blocks(models, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["ties", "dare-ties"])
-def test_normalize_false_is_the_disjoint_sum(models, tmp_path, method):
+def test_normalize_false_is_the_disjoint_sum(three_fine_tunes, tmp_path, method):
     w = [1.0, 0.5, 2.0]
     kw = dict(weights=w, density=0.3, normalize=False)
     if method == "dare-ties":
         kw["seed"] = 5
-    doc, merged = run_merge(models, tmp_path / "o", method, 3, **kw)
+    doc, merged = run_merge(three_fine_tunes, tmp_path / "o", method, 3, **kw)
     assert doc["parameters"]["normalize"] is False
 
     def ref(name, b, fs):
@@ -333,6 +320,6 @@ def test_normalize_false_is_the_disjoint_sum(models, tmp_path, method):
                 parts.append(np.where(keep, (f - b64) / 0.3, 0.0))
         return b64 + M.elect(parts, w, normalize=False)
 
-    check_all(models, merged, 3, ref)
+    check_all(three_fine_tunes, merged, 3, ref)
     with pytest.raises(InputError, match="--normalize does not apply"):
         resolve_parameters(options(method="task-arithmetic", normalize=True), 2)

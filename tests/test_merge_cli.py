@@ -21,7 +21,7 @@ from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.methods import dare as dare_mod
-from dghard_cli.methods.recipe import load_recipe
+from dghard_cli.recipes.recipe import load_recipe
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)

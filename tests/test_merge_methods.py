@@ -26,32 +26,16 @@ TOL = 1e-6
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    """BASE and three fine-tunes of it (fp32; the fine-tunes in 3, 1 and 2 shards)."""
-    root = tmp_path_factory.mktemp("merge-models")
-    base, ft1 = make_pair(root / "a", CFG, ft_shards=3, seed=0)
-    _, ft2 = make_pair(root / "b", CFG, ft_shards=1, seed=0, delta_seed=11)
-    _, ft3 = make_pair(root / "c", CFG, ft_shards=2, seed=0, delta_seed=22)
-    return {
-        "base_dir": base,
-        "ft_dirs": [ft1, ft2, ft3],
-        "root": root,
-        "base": load_dir(base),
-        "fts": [load_dir(p) for p in (ft1, ft2, ft3)],
-    }
-
-
-def run_merge(models, out, method, n, **kw):
+def run_merge(three_fine_tunes, out, method, n, **kw):
     run = RunOptions(device="cpu", quiet=True)
     opts = MergeOptions(method=method, run=run, **kw)
-    doc = merge(models["base_dir"], models["ft_dirs"][:n], out, opts)
+    doc = merge(three_fine_tunes["base_dir"], three_fine_tunes["ft_dirs"][:n], out, opts)
     return doc, load_dir(out)
 
 
-def check_all(models, merged, n, ref_fn):
+def check_all(three_fine_tunes, merged, n, ref_fn):
     """Every tensor of the output against ``ref_fn(name, base64, [ft64...])``."""
-    base, fts = models["base"], models["fts"][:n]
+    base, fts = three_fine_tunes["base"], three_fine_tunes["fts"][:n]
     assert set(merged) == set(base)
     worst = 0.0
     for name, b in base.items():
@@ -64,40 +48,42 @@ def check_all(models, merged, n, ref_fn):
     return worst
 
 
-def test_same_base_different_deltas(models):
-    b = models["base"]
-    f1, f2 = models["fts"][:2]
+def test_same_base_different_deltas(three_fine_tunes):
+    b = three_fine_tunes["base"]
+    f1, f2 = three_fine_tunes["fts"][:2]
     name = "model.layers.0.mlp.up_proj.weight"
     assert not torch.equal(f1[name], f2[name])
     # the generator is deterministic: b/base equals a/base
-    assert torch.equal(load_dir(models["root"] / "b" / "base")[name], b[name])
+    assert torch.equal(load_dir(three_fine_tunes["root"] / "b" / "base")[name], b[name])
 
 
-def test_wise_ft(models, tmp_path):
-    doc, merged = run_merge(models, tmp_path / "o", "wise-ft", 1, alpha=0.3)
-    check_all(models, merged, 1, lambda n, b, fs: M.ref_wise_ft(b, fs[0], 0.3))
+def test_wise_ft(three_fine_tunes, tmp_path):
+    doc, merged = run_merge(three_fine_tunes, tmp_path / "o", "wise-ft", 1, alpha=0.3)
+    check_all(three_fine_tunes, merged, 1, lambda n, b, fs: M.ref_wise_ft(b, fs[0], 0.3))
     assert doc["parameters"]["alpha"] == 0.3
-    assert doc["summary"]["actions"] == {"method": len(models["base"])}
+    assert doc["summary"]["actions"] == {"method": len(three_fine_tunes["base"])}
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_task_arithmetic_with_negation(models, tmp_path, n):
+def test_task_arithmetic_with_negation(three_fine_tunes, tmp_path, n):
     w = [1.0, -0.5, 0.25][:n]
-    doc, merged = run_merge(models, tmp_path / "o", "task-arithmetic", n, weights=w, lam=0.8)
-    check_all(models, merged, n, lambda name, b, fs: M.ref_task_arithmetic(b, fs, w, 0.8))
+    doc, merged = run_merge(three_fine_tunes, tmp_path / "o", "task-arithmetic", n, weights=w, lam=0.8)
+    check_all(three_fine_tunes, merged, n, lambda name, b, fs: M.ref_task_arithmetic(b, fs, w, 0.8))
     assert doc["parameters"]["weights"] == w and doc["parameters"]["lambda"] == 0.8
 
 
 @pytest.mark.parametrize("n", [2, 3])
-def test_ties(models, tmp_path, n):
+def test_ties(three_fine_tunes, tmp_path, n):
     w = [1.0, 0.5, 2.0][:n]
-    doc, merged = run_merge(models, tmp_path / "o", "ties", n, weights=w, density=0.3, lam=1.2)
-    check_all(models, merged, n, lambda name, b, fs: M.ref_ties(b, fs, w, 0.3, 1.2))
+    doc, merged = run_merge(three_fine_tunes, tmp_path / "o", "ties", n, weights=w, density=0.3, lam=1.2)
+    check_all(three_fine_tunes, merged, n, lambda name, b, fs: M.ref_ties(b, fs, w, 0.3, 1.2))
     # the report: exact kept counts and sign conflicts, per tensor
     for r in doc["tensors"]:
         numel = math.prod(r["shape"])
         assert r["kept"] == [M.keep_count(numel, 0.3)] * n
-        deltas = [f64(f[r["name"]]) - f64(models["base"][r["name"]]) for f in models["fts"][:n]]
+        deltas = [
+            f64(f[r["name"]]) - f64(three_fine_tunes["base"][r["name"]]) for f in three_fine_tunes["fts"][:n]
+        ]
         trimmed = [np.where(M.topk_mask(d, 0.3), d, 0.0) for d in deltas]
         pos = np.any([t > 0 for t in trimmed], axis=0)
         neg = np.any([t < 0 for t in trimmed], axis=0)
@@ -105,13 +91,13 @@ def test_ties(models, tmp_path, n):
     assert doc["merge"]["sign_conflicts"] > 0
 
 
-def test_ties_in_row_blocks(models, tmp_path):
+def test_ties_in_row_blocks(three_fine_tunes, tmp_path):
     """Tensors too large for one block: whole-tensor selection, then trimming block by block."""
     w = [1.0, 0.5, 2.0]
     _, merged = run_merge(
-        models, tmp_path / "o", "ties", 3, weights=w, density=0.3, block_bytes=4096, whole_bytes=0
+        three_fine_tunes, tmp_path / "o", "ties", 3, weights=w, density=0.3, block_bytes=4096, whole_bytes=0
     )
-    check_all(models, merged, 3, lambda name, b, fs: M.ref_ties(b, fs, w, 0.3, 1.0))
+    check_all(three_fine_tunes, merged, 3, lambda name, b, fs: M.ref_ties(b, fs, w, 0.3, 1.0))
 
 
 def test_ties_bf16_inputs_many_ties(tmp_path):
@@ -139,12 +125,14 @@ def test_ties_bf16_inputs_many_ties(tmp_path):
 
 @pytest.mark.parametrize("method", ["dare-linear", "dare-ties"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_dare_against_reference(models, tmp_path, method, n):
+def test_dare_against_reference(three_fine_tunes, tmp_path, method, n):
     w = [1.0, 0.7, 0.4][:n]
-    doc, merged = run_merge(models, tmp_path / "o", method, n, weights=w, density=0.4, lam=0.9, seed=7)
+    doc, merged = run_merge(
+        three_fine_tunes, tmp_path / "o", method, n, weights=w, density=0.4, lam=0.9, seed=7
+    )
     ties = method == "dare-ties"
     check_all(
-        models,
+        three_fine_tunes,
         merged,
         n,
         lambda name, b, fs: M.ref_dare(b, fs, w, 0.4, 0.9, 7, name, dare_mod.CHUNK, ties=ties),
@@ -160,10 +148,10 @@ def test_dare_against_reference(models, tmp_path, method, n):
     assert abs(kept / total - 0.4) <= 3 * math.sqrt(0.4 * 0.6 / total)
 
 
-def test_dare_survivors_exactly_rescaled(models, tmp_path):
+def test_dare_survivors_exactly_rescaled(three_fine_tunes, tmp_path):
     """One fine-tune, weight 1, λ 1, float32 work: kept entries are exactly b + fl32(Δ/(1−p)), the rest b."""
-    _, merged = run_merge(models, tmp_path / "o", "dare-linear", 1, density=0.3, seed=5)
-    b, f = models["base"], models["fts"][0]
+    _, merged = run_merge(three_fine_tunes, tmp_path / "o", "dare-linear", 1, density=0.3, seed=5)
+    b, f = three_fine_tunes["base"], three_fine_tunes["fts"][0]
     kept_total = 0
     for name in b:
         b32 = b[name].numpy()
@@ -184,10 +172,10 @@ def test_dare_survivors_exactly_rescaled(models, tmp_path):
         assert abs(int(keep.sum()) - 1000 * density) < 3 * math.sqrt(1000 * density * (1 - density))
 
 
-def test_dare_identical_across_runs_layouts_blocks_and_order(models, tmp_path):
+def test_dare_identical_across_runs_layouts_blocks_and_order(three_fine_tunes, tmp_path):
     kw = dict(density=0.35, seed=11)
-    _, first = run_merge(models, tmp_path / "o1", "dare-ties", 3, **kw)
-    _, again = run_merge(models, tmp_path / "o2", "dare-ties", 3, **kw)
+    _, first = run_merge(three_fine_tunes, tmp_path / "o1", "dare-ties", 3, **kw)
+    _, again = run_merge(three_fine_tunes, tmp_path / "o2", "dare-ties", 3, **kw)
     # different output shard layout and tiny row blocks (many blocks per tensor)
     opts = MergeOptions(
         method="dare-ties",
@@ -196,21 +184,21 @@ def test_dare_identical_across_runs_layouts_blocks_and_order(models, tmp_path):
         block_bytes=2048,
         **kw,
     )
-    merge(models["base_dir"], models["ft_dirs"], tmp_path / "o3", opts)
+    merge(three_fine_tunes["base_dir"], three_fine_tunes["ft_dirs"], tmp_path / "o3", opts)
     other = load_dir(tmp_path / "o3")
     assert len(list((tmp_path / "o3").glob("*.safetensors"))) > 3
     for name in first:
         assert torch.equal(first[name], again[name]), name
         assert torch.equal(first[name], other[name]), name
     # another seed gives another result
-    _, seeded = run_merge(models, tmp_path / "o4", "dare-ties", 3, density=0.35, seed=12)
+    _, seeded = run_merge(three_fine_tunes, tmp_path / "o4", "dare-ties", 3, density=0.35, seed=12)
     assert not torch.equal(
         first["model.layers.0.mlp.up_proj.weight"], seeded["model.layers.0.mlp.up_proj.weight"]
     )
 
     # tensors processed in reverse order, straight through the pipeline operation
-    base = open_checkpoint(str(models["base_dir"]))
-    fts = [open_checkpoint(str(p)) for p in models["ft_dirs"]]
+    base = open_checkpoint(str(three_fine_tunes["base_dir"]))
+    fts = [open_checkpoint(str(p)) for p in three_fine_tunes["ft_dirs"]]
     plan = build_plan(base, fts, PolicyOptions(), eligible=merge_eligibility(PolicyOptions()))
     mo = MergeOptions(method="dare-ties", **kw)
     op = _make_op("dare-ties", resolve_parameters(mo, 3), mo, None, torch.device("cpu"))
@@ -239,21 +227,21 @@ def test_dare_stream_independent_of_chunk_boundaries(monkeypatch):
     assert not torch.equal(whole, dare_mod.keep_mask(4, "w", 1, 0.5, n, 0, n))
 
 
-def test_dg_hard_merge(models, tmp_path):
+def test_dg_hard_merge(three_fine_tunes, tmp_path):
     w = [1.0, 0.5, 0.75]
-    doc, merged = run_merge(models, tmp_path / "o", "dg-hard", 3, weights=w, lam=0.9)
+    doc, merged = run_merge(three_fine_tunes, tmp_path / "o", "dg-hard", 3, weights=w, lam=0.9)
 
     def ref(name, b, fs):
         if b.ndim == 2 and b.size >= 1024:
             return b + 0.9 * sum(wi * ref_filter(f - b)[0] for wi, f in zip(w, fs, strict=True))
         return M.ref_task_arithmetic(b, fs, w, 0.9)
 
-    check_all(models, merged, 3, ref)
+    check_all(three_fine_tunes, merged, 3, ref)
     by_name = {r["name"]: r for r in doc["tensors"]}
     up = by_name["model.layers.0.mlp.up_proj.weight"]
     assert up["merge_rule"] == "dg-hard"
-    b = f64(models["base"]["model.layers.0.mlp.up_proj.weight"])
-    for i, f in enumerate(models["fts"]):
+    b = f64(three_fine_tunes["base"]["model.layers.0.mlp.up_proj.weight"])
+    for i, f in enumerate(three_fine_tunes["fts"]):
         assert up["ranks"][i] == ref_filter(f64(f["model.layers.0.mlp.up_proj.weight"]) - b)[1]
     assert up["ranks"] == [4, 4, 4]  # the planted rank
     assert by_name["model.norm.weight"]["merge_rule"] == "task-arithmetic"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import merge_reference as M
 import numpy as np
@@ -23,8 +24,8 @@ from typer.testing import CliRunner
 from dghard_cli.cli import app
 from dghard_cli.errors import InputError
 from dghard_cli.methods.dare import CHUNK
-from dghard_cli.methods.mergekit_recipe import translate
-from dghard_cli.methods.recipe import load_recipe
+from dghard_cli.recipes.mergekit import translate
+from dghard_cli.recipes.recipe import load_recipe
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)
@@ -36,18 +37,22 @@ HUB = {
 }
 
 
-@pytest.fixture(scope="module")
-def tree(tmp_path_factory):
-    root = tmp_path_factory.mktemp("mergekit")
-    base, a = make_pair(root / "a", CFG, ft_shards=2, seed=0)
-    _, b = make_pair(root / "b", CFG, ft_shards=1, seed=0, delta_seed=11)
-    _, c = make_pair(root / "c", CFG, ft_shards=1, seed=0, delta_seed=22)
+def four_checkpoints(root, cfg: ArchConfig, seed: int, delta_seeds: tuple[int, int]) -> dict:
+    """BASE and fine-tunes a (2 shards), b and c (1 shard each), as paths and numpy arrays."""
+    base, a = make_pair(root / "a", cfg, ft_shards=2, seed=seed)
+    _, b = make_pair(root / "b", cfg, ft_shards=1, seed=seed, delta_seed=delta_seeds[0])
+    _, c = make_pair(root / "c", cfg, ft_shards=1, seed=seed, delta_seed=delta_seeds[1])
     paths = {"base": base, "a": a, "b": b, "c": c}
     return {
         "root": root,
         "paths": paths,
         "arrays": {k: {n: t.numpy() for n, t in load_dir(p).items()} for k, p in paths.items()},
     }
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory):
+    return four_checkpoints(tmp_path_factory.mktemp("mergekit"), CFG, seed=0, delta_seeds=(11, 22))
 
 
 def local(text: str, tree) -> str:
@@ -63,6 +68,13 @@ def run_recipe(tree, tmp_path, text: str, *extra: str):
     out = tmp_path / "merged"
     res = CliRunner().invoke(app, ["merge", "--config", str(path), "--out", str(out), "--json", *extra])
     return res, out
+
+
+def merged_by(tree, tmp_path, text: str, *extra: str) -> tuple[dict, Path]:
+    """Run the recipe, which must succeed: its ``--json`` document and OUT."""
+    res, out = run_recipe(tree, tmp_path, text, *extra)
+    assert res.exit_code == 0, res.output
+    return json.loads(res.stdout), out
 
 
 def check(tree, out, ref_fn, tol=1e-6):
@@ -98,9 +110,7 @@ dtype: float32
 
 
 def test_linear_is_a_weighted_average(tree, tmp_path):
-    res, out = run_recipe(tree, tmp_path, LINEAR)
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
+    doc, out = merged_by(tree, tmp_path, LINEAR)
     assert doc["method"] == "task-arithmetic"
     check(tree, out, lambda n, b, f: (1.0 * d64(f["a"]) + 0.3 * d64(f["b"]) + 0.5 * d64(f["c"])) / 1.8)
 
@@ -116,9 +126,7 @@ models:
     parameters: {weight: 0.4}
 dtype: float32
 """
-    res, out = run_recipe(tree, tmp_path, text)
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
+    doc, out = merged_by(tree, tmp_path, text)
     assert doc["method"] == "wise-ft" and doc["parameters"]["alpha"] == pytest.approx(0.4)
     check(tree, out, lambda n, b, f: 0.6 * d64(b) + 0.4 * d64(f["a"]))
 
@@ -145,9 +153,7 @@ dtype: float16
 
 
 def test_ties_as_in_mergekits_readme(tree, tmp_path):
-    res, out = run_recipe(tree, tmp_path, TIES)
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
+    doc, out = merged_by(tree, tmp_path, TIES)
     assert doc["method"] == "ties" and doc["parameters"]["weights"] == [0.5, 0.3]
     assert doc["parameters"]["density"] == 0.5 and doc["parameters"]["normalize"] is True
     assert next(iter(load_dir(out).values())).dtype.__str__() == "torch.float16"  # dtype: float16
@@ -175,8 +181,7 @@ parameters:
   lambda: 0.8
 dtype: float32
 """
-    res, out = run_recipe(tree, tmp_path, text)
-    assert res.exit_code == 0, res.output
+    _, out = merged_by(tree, tmp_path, text)
     # mergekit: (Σ w_i Δ_i) / Σ w_i · λ
     check(
         tree,
@@ -204,9 +209,7 @@ parameters:
   int8_mask: true
 dtype: float32
 """
-    res, out = run_recipe(tree, tmp_path, text)
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
+    doc, out = merged_by(tree, tmp_path, text)
     ties = method == "dare_ties"
     assert doc["method"] == method.replace("_", "-")
     if ties:
@@ -241,8 +244,7 @@ parameters:
   gamma: 0.01
 dtype: float32
 """
-    res, out = run_recipe(tree, tmp_path, text)
-    assert res.exit_code == 0, res.output
+    _, out = merged_by(tree, tmp_path, text)
     ties = method == "breadcrumbs_ties"
 
     def ref(name, b, f):
@@ -267,8 +269,7 @@ parameters:
   lambda: 1.1
 dtype: float32
 """
-    res, out = run_recipe(tree, tmp_path, text)
-    assert res.exit_code == 0, res.output
+    _, out = merged_by(tree, tmp_path, text)
     ties = method == "della"
 
     def ref(name, b, f):
@@ -292,8 +293,7 @@ dtype: float32
 
 
 def test_slerp(tree, tmp_path):
-    res, out = run_recipe(tree, tmp_path, SLERP)
-    assert res.exit_code == 0, res.output
+    _, out = merged_by(tree, tmp_path, SLERP)
     check(tree, out, lambda n, b, f: M.ref_slerp(d64(f["a"]), d64(f["b"]), 0.35))
 
 
@@ -309,8 +309,7 @@ parameters:
   filter_wise: false
 dtype: float32
 """
-    res, out = run_recipe(tree, tmp_path, text)
-    assert res.exit_code == 0, res.output
+    _, out = merged_by(tree, tmp_path, text)
     check(tree, out, lambda n, b, f: M.ref_model_stock(d64(b), [d64(f[k]) for k in "abc"]))
 
 
@@ -447,15 +446,7 @@ DEEP = ArchConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=4, voc
 
 @pytest.fixture(scope="module")
 def deep(tmp_path_factory):
-    root = tmp_path_factory.mktemp("deep")
-    base, a = make_pair(root / "a", DEEP, ft_shards=2, seed=5)
-    _, b = make_pair(root / "b", DEEP, ft_shards=1, seed=5, delta_seed=6)
-    _, c = make_pair(root / "c", DEEP, ft_shards=1, seed=5, delta_seed=7)
-    paths = {"base": base, "a": a, "b": b, "c": c}
-    return {
-        "paths": paths,
-        "arrays": {k: {n: t.numpy() for n, t in load_dir(p).items()} for k, p in paths.items()},
-    }
+    return four_checkpoints(tmp_path_factory.mktemp("deep"), DEEP, seed=5, delta_seeds=(6, 7))
 
 
 def gradient(values: list[float], x: float) -> float:
@@ -492,9 +483,7 @@ dtype: float32
 
 def test_gradient_slerp_over_one_slice_runs_unchanged(deep, tmp_path):
     """The slerp recipe most merges on the Hub start from: t per layer, by filter."""
-    res, out = run_recipe(deep, tmp_path, GRADIENT_SLERP)
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
+    doc, out = merged_by(deep, tmp_path, GRADIENT_SLERP)
     assert doc["parameters"]["per_tensor"].startswith("varies by tensor")
 
     def t_of(name):
@@ -543,8 +532,7 @@ dtype: float32
 
 def test_ties_with_density_and_weight_gradients_and_filters(deep, tmp_path):
     """mergekit's README TIES example: one density per model, gradients, a filtered weight."""
-    res, out = run_recipe(deep, tmp_path, MERGEKIT_README_TIES)
-    assert res.exit_code == 0, res.output
+    doc, out = merged_by(deep, tmp_path, MERGEKIT_README_TIES)
 
     def ref(name, b, f):
         x = layer_fraction(name)
@@ -557,7 +545,6 @@ def test_ties_with_density_and_weight_gradients_and_filters(deep, tmp_path):
         return d64(b) + M.elect_and_mean(parts, w)
 
     check(deep, out, ref)
-    doc = json.loads(res.stdout)
     rec = next(r for r in doc["tensors"] if r["name"] == "model.layers.2.mlp.up_proj.weight")
     assert rec["parameters"]["weights"] == pytest.approx([1.0, gradient([0, 0.3, 0.7, 1], 2 / 3), 0.5])
     assert rec["kept"][2] == int(0.33 * math.prod(rec["shape"]))
@@ -574,8 +561,6 @@ def test_per_tensor_values_are_checked_before_anything_is_written(deep, tmp_path
 
 
 def test_command_line_options_win_over_the_recipes_gradients(deep, tmp_path):
-    res, out = run_recipe(deep, tmp_path, GRADIENT_SLERP, "--t", "0.25")
-    assert res.exit_code == 0, res.output
-    doc = json.loads(res.stdout)
+    doc, out = merged_by(deep, tmp_path, GRADIENT_SLERP, "--t", "0.25")
     assert all("t" not in r["parameters"] for r in doc["tensors"])
     check(deep, out, lambda n, b, f: M.ref_slerp(d64(f["a"]), d64(f["b"]), 0.25))

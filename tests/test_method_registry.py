@@ -17,8 +17,9 @@ from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
-from dghard_cli.methods.recipe import top_keys
-from dghard_cli.sweep.candidates import Candidate, reproduce_argv
+from dghard_cli.recipes.recipe import top_keys
+from dghard_cli.sweep.candidates import Candidate
+from dghard_cli.sweep.family_dispatch import reproduce_argv
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=32, intermediate_size=80, num_hidden_layers=2, vocab_size=128)
@@ -74,7 +75,8 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
     assert registry.method_names() == (
         "wise-ft", "task-arithmetic", "ties", "dare", "dare-linear", "dare-ties", "recall", "dg-hard",
         # then the method modules, in module-name order
-        "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "model-stock", "slerp",
+        "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "iso-c", "iso-cts", "model-stock",
+        "slerp", "tsv",
     )  # fmt: skip
     assert [p.name for p in registry.scalar_params()] == [
         "alpha",
@@ -83,10 +85,12 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
         "density",
         "seed",
         "scale",
-        # then the method modules' (breadcrumbs, della, slerp)
+        # then the method modules' (breadcrumbs, della, iso, slerp, tsv)
         "gamma",
         "epsilon",
+        "common_space_fraction",
         "t",
+        "tsv_rank",
     ]
     keys = list(top_keys())
     assert keys[:4] == ["method", "base", "models", "out"]

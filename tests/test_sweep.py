@@ -7,22 +7,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shlex
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, f64, load_dir, run_dghard
+from conftest import REPO, f64, interrupt_hanging_sweep, load_dir, run_dghard
 from reference import ref_weights
 
 from dghard_cli.errors import InputError
 from dghard_cli.sweep.candidate_file import load_candidates, parse_candidates
-from dghard_cli.sweep.candidates import make_candidate
+from dghard_cli.sweep.family_dispatch import make_candidate
 from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
 from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_candidate, refine_probe
 from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise
@@ -382,22 +378,9 @@ def test_an_interrupted_sweep_resumes_without_evaluating_anything_twice(pair, un
         "--candidates",
         pair.candidates,
     ]
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", SWEEP_HANG_AFTER="7")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dghard_cli", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
     marker = pair.root / "hanging"
-    deadline = time.monotonic() + 60
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert marker.exists(), proc.communicate()
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=30)
+    proc, env = interrupt_hanging_sweep(args, marker, hang_after=7, wait=60)
+    stderr = proc.stderr
     assert proc.returncode == 3, stderr
     assert "interrupted" in stderr and "run the same command again" in stderr
     eval_pid = int(marker.read_text())
@@ -408,7 +391,6 @@ def test_an_interrupted_sweep_resumes_without_evaluating_anything_twice(pair, un
     assert len(finished) == 7  # base, FT, five candidates; the eighth was interrupted
 
     pair.reset_calls()
-    env.pop("SWEEP_HANG_AFTER")
     # a mistyped rerun is refused and leaves the cache of the interrupted run alone
     r = run_dghard(*args, "--target", "tsak", env=env)
     assert r.returncode == 2 and "--target 'tsak': no such benchmark" in r.stderr
@@ -599,12 +581,18 @@ def test_merge_methods_with_two_fine_tunes(pair, tmp_path):
     )
     assert [s["family"] for s in doc["skipped_families"]] == ["hard"]
     assert doc["budget"]["reference_evaluations"] == 3 and doc["budget"]["candidate_evaluations"] == 3
-    # the reference "FT" score of each benchmark is the best either fine-tune reached
+    # the reference "FT" score of each benchmark is its expert's: the best fine-tune where one
+    # improved it beyond the margin, else the worst (the damage to a skill of the base)
     scores2 = pair.scores(
         {n: f64(t) - f64(load_dir(pair.base)[n]) for n, t in load_dir(ft2).items() if n in pair.names}
     )
     for bm in doc["benchmarks"]:
-        assert abs(bm["ft"] - max(pair.ft_scores[bm["name"]], scores2[bm["name"]])) < 1e-4
+        k = bm["name"]
+        best, worst = max(pair.ft_scores[k], scores2[k]), min(pair.ft_scores[k], scores2[k])
+        improved = best > pair.base_scores[k] + 0.5
+        assert doc["scoring"]["experts"][k]["rule"] == ("best" if improved else "worst")
+        assert abs(bm["ft"] - (best if improved else worst)) < 1e-4
+    assert {bm["name"]: bm["partition"] for bm in doc["benchmarks"]}["task"] == "improved"
     argv = doc["winner"]["reproduce"]["argv"]
     assert argv[:3] == ["dghard", "merge", "--method"] and str(ft2) in argv
     again = Path(doc["winner"]["reproduce"]["out"])
@@ -752,7 +740,7 @@ def test_every_family_is_reproduced_by_its_printed_command(pair, tmp_path, entry
     from typer.testing import CliRunner
 
     from dghard_cli.cli import app
-    from dghard_cli.sweep.candidates import reproduce_argv, write_candidate
+    from dghard_cli.sweep.family_dispatch import reproduce_argv, write_candidate
 
     fts = [str(pair.ft)]
     if n_fts == 2:

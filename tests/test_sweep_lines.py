@@ -7,20 +7,15 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
-from conftest import REPO, run_dghard
+from conftest import interrupt_hanging_sweep, run_dghard
 from test_sweep import BUDGET, Pair, ref_hm, ref_layer_strength
 
 from dghard_cli.errors import InputError
 from dghard_cli.sweep import lines as L
 from dghard_cli.sweep.candidate_file import parse_candidates
-from dghard_cli.sweep.candidates import make_candidate, reproduce_argv, write_candidate
+from dghard_cli.sweep.family_dispatch import make_candidate, reproduce_argv, write_candidate
 from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
 from dghard_cli.sweep.search import coarse_order, next_candidate
 
@@ -154,30 +149,14 @@ def test_an_interrupted_lines_sweep_resumes_and_takes_the_same_steps(pair, group
         "sweep", pair.base, pair.ft, out, "--eval", pair.template, "--budget", GROUPS_BUDGET,
         "--candidates", pair.root / "lines.yaml", "--refine", "groups",
     ]  # fmt: skip
-    env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", SWEEP_HANG_AFTER="9")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "dghard_cli", *map(str, args)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    marker = pair.root / "hanging"
-    deadline = time.monotonic() + 120
-    while not marker.exists() and time.monotonic() < deadline and proc.poll() is None:
-        time.sleep(0.05)
-    assert marker.exists(), proc.communicate()
-    time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=30)
-    assert proc.returncode == 3, stderr
+    proc, env = interrupt_hanging_sweep(args, pair.root / "hanging", hang_after=9, wait=120)
+    assert proc.returncode == 3, proc.stderr
     finished = [n for what, n in pair.calls() if what == "done"]
     assert len(finished) == 9  # base, FT and seven candidates: into the per-group stage
     assert sum(1 for n in finished if "groups(" in n) == 2
     assert staging_path(out).is_dir()
 
     pair.reset_calls()
-    env.pop("SWEEP_HANG_AFTER")
     r = run_dghard(*args, "--json", env=env)
     assert r.returncode == 0, r.stderr
     doc = json.loads(r.stdout)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.audit.base_checks import TINY_VS_BASE, AuditRun, audit_against_base, torch_threads
 from dghard_cli.audit.config_checks import (
     Geometry,

@@ -18,7 +18,6 @@ from dghard_cli.cli.common import (
     emit,
     run_cli,
 )
-from dghard_cli.cli.render import render_findings
 
 AUDIT_EPILOG = """
 **Examples**
@@ -90,6 +89,8 @@ def audit_lora_cmd(
         )
 
     doc = run_cli(body, verbose=verbose)
+    from dghard_cli.cli.render import render_findings
+
     emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_findings(c, doc, verbose))
     if doc["summary"]["failed"]:
         check_failed("")  # the findings printed (or the JSON) say why

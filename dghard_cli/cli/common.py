@@ -12,7 +12,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import click
 import typer
@@ -20,16 +20,18 @@ from rich.console import Console
 from rich.text import Text
 from typer.core import TyperCommand, TyperGroup
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.cli import interrupts
 from dghard_cli.cli.interrupts import InterruptGuard
 from dghard_cli.cli.progress import RichBar
 from dghard_cli.engine.memory import limit_allocator_retention
 from dghard_cli.engine.progress import set_terminal_bar
 from dghard_cli.errors import CheckFailed, DGHardError
-from dghard_cli.lora.output import LoraOutputOptions
 
 set_terminal_bar(RichBar)  # the engine counts; on a terminal the command line shows a rich bar
+
+if TYPE_CHECKING:
+    from dghard_cli.lora.output import LoraOutputOptions
 
 
 # typer 0.29's rich help prints every option's value type, and `<bool>` for a flag, which takes
@@ -155,6 +157,8 @@ AllowLossyOpt = Annotated[
 
 def lora_options(fmt: str, merge: bool, rank: int | None, allow_lossy: bool = False) -> LoraOutputOptions:
     """The library's output options from ``--format``, ``--merge``, ``--rank`` and ``--allow-lossy``."""
+    from dghard_cli.lora.output import LoraOutputOptions
+
     return LoraOutputOptions(format=fmt.strip().lower(), merge=merge, rank=rank, allow_lossy=allow_lossy)
 
 

@@ -23,10 +23,6 @@ from dghard_cli.cli.common import (
     emit,
     run_cli,
 )
-from dghard_cli.cli.render import render_inspect
-from dghard_cli.engine.plan import PolicyOptions
-from dghard_cli.inspection import InspectOptions, inspect_pair, parse_matrices
-from dghard_cli.spectral.spectrum import ShrinkSpec
 
 INSPECT_EPILOG = """
 **Examples**
@@ -71,6 +67,10 @@ def inspect_cmd(
     """Spectrum of every weight delta FT − BASE (MP fit, τ, spikes, energy kept), no model written."""
 
     def body() -> dict:
+        from dghard_cli.engine.plan import PolicyOptions
+        from dghard_cli.inspection import InspectOptions, inspect_pair, parse_matrices
+        from dghard_cli.spectral.spectrum import ShrinkSpec
+
         opts = InspectOptions(
             spec=ShrinkSpec(scale=scale),
             policy=PolicyOptions(min_numel=min_numel, include=include or [], exclude=exclude or []),
@@ -86,4 +86,6 @@ def inspect_cmd(
         return inspect_pair(base, ft, opts)
 
     doc = run_cli(body, verbose=verbose)
+    from dghard_cli.cli.render import render_inspect
+
     emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_inspect(c, doc))

@@ -28,15 +28,8 @@ from dghard_cli.cli.common import (
     lora_options,
     run_cli,
 )
-from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_merge, render_plan
-from dghard_cli.engine.plan import PolicyOptions, parse_size
-from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.io.paths import Output, check_outputs
-from dghard_cli.io.safetensors_format import parse_dtype_option
-from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.methods import registry
-from dghard_cli.methods.recipe import load_recipe
 
 MERGE_EPILOG = """
 **Examples**
@@ -259,6 +252,13 @@ def merge_cmd(**kw) -> None:
     dry_run, quiet = kw["dry_run"], kw["quiet"]
 
     def body() -> dict:
+        from dghard_cli.engine.plan import PolicyOptions, parse_size
+        from dghard_cli.engine.runner import RunOptions
+        from dghard_cli.io.paths import Output, check_outputs
+        from dghard_cli.io.safetensors_format import parse_dtype_option
+        from dghard_cli.merge import MergeOptions, merge
+        from dghard_cli.recipes.recipe import load_recipe
+
         values: dict = {}
         maps: dict = {}
         ft_revisions = None
@@ -352,6 +352,8 @@ def merge_cmd(**kw) -> None:
         return merge(base, fts, Path(out_dir), opts)
 
     doc = run_cli(body, verbose=verbose)
+    from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_merge, render_plan
+
     if is_adapter_doc(doc):
         emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_adapter(c, doc))
     elif dry_run:

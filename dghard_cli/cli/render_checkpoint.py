@@ -34,7 +34,7 @@ def summary_table(report: dict):
         t.add_row("noise bulk", f"{s['bulk_found_tensors']} of {s['method_tensors']} matrices")
     if s.get("low_rank_tensors"):
         t.add_row("low-rank", f"{s['low_rank_tensors']} matrices kept as fine-tuned")
-    if report.get("layer_strengths"):  # --lines / --layer-strengths (methods/schedule.py)
+    if report.get("layer_strengths"):  # --lines / --layer-strengths (dghard_cli/schedule/)
         t.add_row("λ per layer", report["layer_strengths"]["summary"])
     tm = report.get("timings", {})
     if "total" in tm:
@@ -174,7 +174,7 @@ def render_plan(console: Console, doc: dict, verbose: bool) -> None:
     console.print(t)
     for note in doc.get("notes", []):
         console.print(Text(f"note: {note}"))
-    lam = bool(doc.get("layer_strengths"))  # --lines / --layer-strengths (methods/schedule.py)
+    lam = bool(doc.get("layer_strengths"))  # --lines / --layer-strengths (dghard_cli/schedule/)
     if lam:
         console.print(Text(f"λ per layer: {doc['layer_strengths']['summary']}"))
     if verbose:

@@ -96,6 +96,8 @@ def render_sweep(console: Console, doc: dict) -> None:
     )
     for warning in doc["warnings"]:
         console.print(Text(f"warning: {warning}"))
+    for note in doc.get("notes", []):
+        console.print(Text(f"note: {note}"))
     g = doc.get("gate")
     if g:
         console.print(Text(f"gate: {'PASS' if g['passed'] else 'FAIL'}: {g['reason']}"))

@@ -31,14 +31,8 @@ from dghard_cli.cli.common import (
     lora_options,
     run_cli,
 )
-from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_plan, render_report
-from dghard_cli.engine.plan import PolicyOptions, parse_size
-from dghard_cli.engine.runner import RunOptions
-from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
-from dghard_cli.methods.schedule import schedule_from_options
-from dghard_cli.repair import RepairOptions, repair
-from dghard_cli.spectral.spectrum import NOISE_RULES, ROUTES, SHRINKERS, ShrinkSpec
+from dghard_cli.spectral.spectrum import NOISE_RULES, ROUTES, SHRINKERS
 
 #: The layer-strength options, as merge has them (declared once: methods/declare.py COMMON).
 LinesOpt = Annotated[Optional[str], typer.Option(LINES.cli_flag, help=LINES.help, show_default=False)]
@@ -161,6 +155,14 @@ def repair_cmd(
     """Repair FT against BASE: keep the spectral spikes of every weight delta, drop the noise bulk."""
 
     def body() -> None:
+        from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_plan, render_report
+        from dghard_cli.engine.plan import PolicyOptions, parse_size
+        from dghard_cli.engine.runner import RunOptions
+        from dghard_cli.io.safetensors_format import parse_dtype_option
+        from dghard_cli.repair import RepairOptions, repair
+        from dghard_cli.schedule.spec import schedule_from_options
+        from dghard_cli.spectral.spectrum import ShrinkSpec
+
         schedule = schedule_from_options(lines, layer_strengths)
         filtered = schedule is None or any(v is not None for v in (shrink, scale, noise, sigma, a, b))
         spec = ShrinkSpec(

@@ -8,13 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
-from dghard_cli.cli.render import summary_table
-from dghard_cli.engine.runner import REPORT_NAME
 from dghard_cli.errors import InputError
-from dghard_cli.io.checkpoint import path_exists, read_json_file
-from dghard_cli.io.files import REPORT_LIMIT
-from dghard_cli.io.paths import Output, check_outputs
-from dghard_cli.report.build import SCHEMA_VERSION
 
 REPORT_EPILOG = """
 **Examples**
@@ -29,6 +23,11 @@ REPORT_EPILOG = """
 
 def load_report(path: str | Path) -> tuple[Path, dict]:
     """A ``dghard_report.json`` (or the directory holding one), checked for the schema."""
+    from dghard_cli.engine.runner import REPORT_NAME
+    from dghard_cli.io.checkpoint import path_exists, read_json_file
+    from dghard_cli.io.files import REPORT_LIMIT
+    from dghard_cli.report.build import SCHEMA_VERSION
+
     p = Path(path).expanduser()
     if p.is_dir():
         p = p / REPORT_NAME
@@ -68,6 +67,9 @@ def report_cmd(
     json_out: JsonOpt = False,
 ) -> None:
     """Print a finished run's summary, or render its report as an HTML page (heat maps, table, verdict)."""
+
+    from dghard_cli.cli.render import summary_table
+    from dghard_cli.io.paths import Output, check_outputs
 
     def body() -> dict:
         path, doc = load_report(report)

@@ -9,12 +9,8 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, check_failed, choices, emit, run_cli
-from dghard_cli.cli.render import render_score
 from dghard_cli.errors import InputError
-from dghard_cli.io.atomic import write_json_atomic
-from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.score.results import SCALES
-from dghard_cli.score.scoring import score_files
 
 SCORE_EPILOG = """
 **Examples**
@@ -102,6 +98,10 @@ def score_cmd(
     """Partition-conditioned scoring of evaluation results: % repair, % retention and their HM."""
 
     def body() -> dict:
+        from dghard_cli.io.atomic import write_json_atomic
+        from dghard_cli.io.paths import Output, check_outputs
+        from dghard_cli.score.scoring import score_files
+
         doc = score_files(
             base,
             ft,
@@ -125,6 +125,8 @@ def score_cmd(
         return doc
 
     doc = run_cli(body, verbose=verbose)
+    from dghard_cli.cli.render import render_score
+
     emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_score(c, doc))
     g = doc.get("gate")
     if g and not g["passed"]:

@@ -10,8 +10,7 @@ import typer
 from rich.console import Console
 
 from dghard_cli.cli.common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, check_failed, emit, run_cli
-from dghard_cli.cli.render import progress_printer, render_sweep
-from dghard_cli.sweep.run import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION, SweepOptions, sweep
+from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 
 SWEEP_EPILOG = """
 **Examples**
@@ -89,8 +88,13 @@ def sweep_cmd(
         Optional[float], typer.Option(help="Seconds one evaluation may take (default: no limit).")
     ] = None,
     min_target_retention: Annotated[
-        float, typer.Option(help="Every --target must keep at least this % of the fine-tune's gain.")
-    ] = DEFAULT_MIN_TARGET_RETENTION,
+        Optional[float],
+        typer.Option(
+            help="Every --target must keep at least this % of the fine-tune's gain "
+            f"(default {DEFAULT_MIN_TARGET_RETENTION:g} with one fine-tune; none with --merge-ft).",
+            show_default=False,
+        ),
+    ] = None,
     fail_under: Annotated[
         Optional[float],
         typer.Option(help="Exit 1 when the winner's HM is below this (or there is no winner)."),
@@ -128,7 +132,11 @@ def sweep_cmd(
     an evaluation budget, keep the best by HM, print the command that reproduces it."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
+    from dghard_cli.cli.render import progress_printer, render_sweep
+
     def body() -> dict:
+        from dghard_cli.sweep.run import SweepOptions, sweep
+
         opts = SweepOptions(
             eval_template=eval_cmd,
             targets=_split(target),

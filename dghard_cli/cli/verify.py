@@ -8,9 +8,7 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, emit, run_cli
-from dghard_cli.cli.render import render_verify
 from dghard_cli.errors import CheckFailed, InputError
-from dghard_cli.io.verify import verify_dir
 
 EPILOG = """
 **Examples**
@@ -40,6 +38,9 @@ def verify_cmd(
     """Re-check a written model directory: exit 0 if sound, 1 if a check fails, 2 if unreadable."""
 
     def body() -> None:
+        from dghard_cli.cli.render import render_verify
+        from dghard_cli.io.verify import verify_dir
+
         if not directory.is_dir():
             raise InputError(f"{directory}: no such directory")
         base_ck = None

@@ -83,7 +83,7 @@ class JobInputs:
 
 #: A per-tensor operation: yields the output's bytes in order (tensors in the output dtype,
 #: whole or in row blocks), and fills ``record`` with its statistics.
-TensorOp = Callable[[TensorJob, JobInputs, dict], Iterator[torch.Tensor]]
+TensorOp = Callable[[TensorJob, JobInputs, dict], Iterator["torch.Tensor"]]
 
 
 def base_record(job: TensorJob) -> dict:
@@ -102,7 +102,7 @@ def base_record(job: TensorJob) -> dict:
     if job.shared_rows is not None:
         rec["shared_rows"] = job.shared_rows
         rec["base_rows"] = job.base.shape[0] if job.base else None
-    if job.strength is not None:  # a layer-strength schedule (methods/schedule.py)
+    if job.strength is not None:  # a layer-strength schedule (dghard_cli/schedule/)
         rec["layer"], rec["layer_strength"] = job.layer, job.strength
     return rec
 

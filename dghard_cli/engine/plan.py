@@ -45,7 +45,7 @@ class TensorJob:
     shared_rows: int | None = None
     tied_to: str | None = None
     layer: str | int | None = None  # under a layer-strength schedule: "embed", block index, "head"
-    strength: float | None = None  # ... and its λ (see methods/schedule.py)
+    strength: float | None = None  # ... and its λ (see dghard_cli/schedule/)
 
     @property
     def out_nbytes(self) -> int:

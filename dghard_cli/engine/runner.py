@@ -166,170 +166,264 @@ def write_model(
     it returns is added to the report, which is then written once, inside the staging
     directory, before the rename.
     """
-    t_start = time.perf_counter()
-    timings = dict(timings or {})
-    before = sum(timings.values())
-    device = resolve_device(run.device)
-    out = Path(out)
-    check_out_path(out, [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
-    rel_report, abs_report = report_target(out, run.report_path)
-    check_jobs(plan.jobs, method=method, spectral=spectral, device=device)
-    where = fts[0].path / (fts[0].index_file or "")
-    check_shard_names(plan.shards, f"FT {where}" if fts[0].index_file else f"FT {fts[0].path}")
-    # an adapter FT (io.adapter_source) takes BASE's config and tokenizer, then its own tokenizer
-    side_sources = getattr(fts[0], "side_file_sources", lambda: [(fts[0].path, set(fts[0].shards))])()
-    side = [entry for d, skip in side_sources for entry in list_side_files(d, skip)]
-    check_report_path(out, run.report_path, base, fts, set(plan.shards) | {n for n, _ in side})
-
-    input_warnings, swap_ruled_out = input_checks.before_run(base, fts, plan)
-    if run.show_notices:
-        for w in input_warnings:
-            notice(w, warning=True)
-    common = dict(
-        command=command,
-        argv=run.argv,
-        inputs=inputs_doc(base, fts),
-        method=method,
-        parameters=parameters,
-        device=report_mod.device_info(device, run.device),
-        notes=plan.notes,
-        spectral=spectral,
-    )
+    w = _ModelWrite(command, method, parameters, base, fts, Path(out), plan, run, spectral, timings)
+    w.check_outputs()
+    w.warn_about_inputs()
     if run.dry_run:
-        timings["total"] = time.perf_counter() - t_start + before
+        return w.dry_run_report()
+    w.open_stage()
+    records = w.stream(make_op)
+    copied, card_source = w.write_side_files()
+    doc, card = w.report(records, copied, card_source, extra_report)
+    w.commit(doc, card)
+    return doc
+
+
+class _ModelWrite:
+    """The steps of :func:`write_model`, in order; each check and each write is done once."""
+
+    def __init__(
+        self,
+        command: str,
+        method: str,
+        parameters: dict,
+        base: Checkpoint,
+        fts: list[Checkpoint],
+        out: Path,
+        plan: Plan,
+        run: RunOptions,
+        spectral: bool,
+        timings: dict | None,
+    ) -> None:
+        self.t_start = time.perf_counter()
+        self.timings = dict(timings or {})
+        self.before = sum(self.timings.values())
+        self.command = command
+        self.method = method
+        self.parameters = parameters
+        self.base = base
+        self.fts = fts
+        self.out = out
+        self.plan = plan
+        self.run = run
+        self.spectral = spectral
+        self.device = resolve_device(run.device)
+
+    def _total(self) -> float:
+        return time.perf_counter() - self.t_start + self.before
+
+    def check_outputs(self) -> None:
+        """Before anything is read: the output-path rule for OUT, where ``--report`` goes (its
+        directory exists), the working memory of every job, the shard names, and the
+        output-path rule for ``--report`` (not onto an input, not onto a file OUT gets)."""
+        base, fts, plan, run = self.base, self.fts, self.plan, self.run
+        check_out_path(self.out, [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
+        self.rel_report, self.abs_report = report_target(self.out, run.report_path)
+        check_jobs(plan.jobs, method=self.method, spectral=self.spectral, device=self.device)
+        where = fts[0].path / (fts[0].index_file or "")
+        check_shard_names(plan.shards, f"FT {where}" if fts[0].index_file else f"FT {fts[0].path}")
+        # an adapter FT (lora.source) takes BASE's config and tokenizer, then its own tokenizer
+        ft = fts[0]
+        self.side_sources = getattr(ft, "side_file_sources", lambda: [(ft.path, set(ft.shards))])()
+        self.side = [entry for d, skip in self.side_sources for entry in list_side_files(d, skip)]
+        check_report_path(self.out, run.report_path, base, fts, set(plan.shards) | {n for n, _ in self.side})
+
+    def warn_about_inputs(self) -> None:
+        """The inputs' warnings (printed unless quiet) and what every report shares."""
+        self.input_warnings, self.swap_ruled_out = input_checks.before_run(self.base, self.fts, self.plan)
+        if self.run.show_notices:
+            for w in self.input_warnings:
+                notice(w, warning=True)
+        self.common = dict(
+            command=self.command,
+            argv=self.run.argv,
+            inputs=inputs_doc(self.base, self.fts),
+            method=self.method,
+            parameters=self.parameters,
+            device=report_mod.device_info(self.device, self.run.device),
+            notes=self.plan.notes,
+            spectral=self.spectral,
+        )
+
+    def dry_run_report(self) -> dict:
+        """The report of a dry run: the plan only, nothing read but headers, nothing written."""
+        plan = self.plan
+        self.timings["total"] = self._total()
         doc = report_mod.build_report(
-            output={"path": str(out), "bytes": plan.out_bytes, "shards": len(plan.shards), "dry_run": True},
-            timings=timings,
+            output={
+                "path": str(self.out),
+                "bytes": plan.out_bytes,
+                "shards": len(plan.shards),
+                "dry_run": True,
+            },
+            timings=self.timings,
             memory=report_mod.peak_memory(),
             records=plan_records(plan),
-            **common,
+            **self.common,
         )
         doc["summary"]["dry_run"] = True
-        doc["summary"]["warnings"][:0] = input_warnings
+        doc["summary"]["warnings"][:0] = self.input_warnings
         return doc
 
-    check_free_space(out, plan.out_bytes + sum(size for _, size in side))
-    fp = fingerprint(command, method, parameters, plan, [base, *fts])
-    stage = OutputStage(out, fp, resume=run.resume)
-    resumed_tensors = sum(len(plan.shards[s]) for s in stage.done)
-    if stage.done and run.show_notices:
-        notice(
-            f"resuming: {resumed_tensors} of {len(plan.jobs)} tensors already written "
-            f"({len(stage.done)} of {len(plan.shards)} shards, verified), continuing"
-        )
-    progress = Progress(plan.out_bytes, len(plan.jobs), label=f"{command} {method}", quiet=run.quiet)
-    if stage.done:
-        done_bytes = sum(j.out_nbytes for j in plan.jobs if j.shard in stage.done)
-        progress.advance(done_bytes, resumed_tensors)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    try:
-        records = execute(
-            plan,
-            stage,
-            make_op(device),
-            ft_metadata=fts[0].shard_metadata,
-            options=run.engine or EngineOptions.for_device(device, allow_nonfinite=run.allow_nonfinite),
-            on_tensor=lambda job, rec: progress.advance(job.out_nbytes),
-        )
-    except KeyboardInterrupt:
-        progress.close()
-        stage.lock.release()
-        raise Interrupted(
-            f"interrupted; finished shards are kept in {stage.dir}",
-            hint="run the same command again to resume",
-        ) from None
-    except InputError:
-        progress.close()
-        stage.discard()
-        raise
-    except MemoryError:
-        progress.close()
-        stage.lock.release()
-        raise RuntimeFailure(
-            f"out of memory; finished shards are kept in {stage.dir}",
-            hint="rerun the same command (smaller blocks: --device cpu frees GPU memory)",
-        ) from None
-    except torch.cuda.OutOfMemoryError:
-        progress.close()
-        stage.lock.release()
-        raise RuntimeFailure(
-            f"CUDA out of memory; finished shards are kept in {stage.dir}",
-            hint="rerun the same command, or with --device cpu",
-        ) from None
-    except OSError as exc:
-        progress.close()
-        stage.lock.release()
-        raise RuntimeFailure(
-            f"I/O error ({exc.strerror or exc}); finished shards are kept in {stage.dir}",
-            hint="fix the cause (disk full?) and run the same command again to resume",
-        ) from None
-    progress.close()
-    timings["process"] = time.perf_counter() - t0
-
-    t1 = time.perf_counter()
-    try:
-        if plan.write_index:
-            weight_map = {j.name: j.shard for j in plan.jobs}
-            stage.write_json(
-                INDEX_NAME,
-                {"metadata": {"total_size": plan.out_bytes}, "weight_map": dict(sorted(weight_map.items()))},
+    def open_stage(self) -> None:
+        """Free space, then the staging directory (resumed when it matches this run) and the
+        progress counter, advanced past the shards already written."""
+        plan, run = self.plan, self.run
+        check_free_space(self.out, plan.out_bytes + sum(size for _, size in self.side))
+        fp = fingerprint(self.command, self.method, self.parameters, plan, [self.base, *self.fts])
+        self.stage = stage = OutputStage(self.out, fp, resume=run.resume)
+        self.resumed_tensors = sum(len(plan.shards[s]) for s in stage.done)
+        if stage.done and run.show_notices:
+            notice(
+                f"resuming: {self.resumed_tensors} of {len(plan.jobs)} tensors already written "
+                f"({len(stage.done)} of {len(plan.shards)} shards, verified), continuing"
             )
-        copied = sorted({n for d, skip in side_sources for n in stage.copy_side_files(d, skip)})
-    except OSError as exc:
-        raise _io_failure(exc, stage, "copying the fine-tune's side files") from None
-    their_card, card_why = read_side_text(fts[0].path, "README.md")
-    expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
-    verify_dir(stage.dir, expected=expected)
-    timings["verify"] = time.perf_counter() - t1
-    timings["total"] = time.perf_counter() - t_start + before
+        self.progress = Progress(
+            plan.out_bytes, len(plan.jobs), label=f"{self.command} {self.method}", quiet=run.quiet
+        )
+        if stage.done:
+            done_bytes = sum(j.out_nbytes for j in plan.jobs if j.shard in stage.done)
+            self.progress.advance(done_bytes, self.resumed_tensors)
 
-    output = {
-        "path": run.report_out if run.report_out is not None else str(out),
-        "shards": len(plan.shards),
-        "bytes": plan.out_bytes,
-        "index": plan.write_index,
-        "copied_files": copied,
-        "resumed": bool(stage.resumed),
-        "resumed_tensors": resumed_tensors,
-        "resumed_shards": stage.resumed,
-        "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
-    }
-    if not swap_ruled_out:
-        swapped = input_checks.weights_swap(records, len(fts))
-        if run.show_notices:
-            for w in swapped:
-                notice(w, warning=True)
-        input_warnings += swapped
-    extra = extra_report(records) if extra_report else None
-    doc = report_mod.build_report(
-        output=output,
-        timings=timings,
-        memory=report_mod.peak_memory(device),
-        records=records,
-        extra=extra,
-        **common,
-    )
-    doc["summary"]["warnings"][:0] = input_warnings
-    card, doc["output"]["model_card"] = model_card.compose(
-        report_mod.model_card(doc), their_card, base.source, card_why
-    )
-    try:
-        if rel_report is not None:
-            target = stage.dir / rel_report
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
-        stage.write_text("README.md", card)
-    except OSError as exc:
-        raise _io_failure(exc, stage, "writing the report and model card") from None
-    try:
-        stage.finalize(overwrite=run.overwrite)
-    except OSError as exc:
-        stage.lock.release()
-        raise RuntimeFailure(f"could not move {stage.dir} to {out}: {exc.strerror or exc}") from None
-    write_report_outside(out, abs_report, doc)
-    return doc
+    def stream(self, make_op: Callable[[torch.device], TensorOp]) -> list[dict]:
+        """Every tensor through the pipeline into the stage; the per-tensor records. A failure
+        keeps the finished shards (exit 3, resumable), except bad input (the stage discarded)."""
+        device, stage, progress = self.device, self.stage, self.progress
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        try:
+            records = execute(
+                self.plan,
+                stage,
+                make_op(device),
+                ft_metadata=self.fts[0].shard_metadata,
+                options=self.run.engine
+                or EngineOptions.for_device(device, allow_nonfinite=self.run.allow_nonfinite),
+                on_tensor=lambda job, rec: progress.advance(job.out_nbytes),
+            )
+        except KeyboardInterrupt:
+            progress.close()
+            stage.lock.release()
+            raise Interrupted(
+                f"interrupted; finished shards are kept in {stage.dir}",
+                hint="run the same command again to resume",
+            ) from None
+        except InputError:
+            progress.close()
+            stage.discard()
+            raise
+        except MemoryError:
+            progress.close()
+            stage.lock.release()
+            raise RuntimeFailure(
+                f"out of memory; finished shards are kept in {stage.dir}",
+                hint="rerun the same command (smaller blocks: --device cpu frees GPU memory)",
+            ) from None
+        except torch.cuda.OutOfMemoryError:
+            progress.close()
+            stage.lock.release()
+            raise RuntimeFailure(
+                f"CUDA out of memory; finished shards are kept in {stage.dir}",
+                hint="rerun the same command, or with --device cpu",
+            ) from None
+        except OSError as exc:
+            progress.close()
+            stage.lock.release()
+            raise RuntimeFailure(
+                f"I/O error ({exc.strerror or exc}); finished shards are kept in {stage.dir}",
+                hint="fix the cause (disk full?) and run the same command again to resume",
+            ) from None
+        progress.close()
+        self.timings["process"] = time.perf_counter() - t0
+        return records
+
+    def write_side_files(self) -> tuple[list[str], tuple[str | None, str | None]]:
+        """The index and the fine-tune's side files into the stage, then the stage verified;
+        (the side files copied, the fine-tune's own model card and why it is not used)."""
+        plan, stage = self.plan, self.stage
+        t1 = time.perf_counter()
+        try:
+            if plan.write_index:
+                weight_map = {j.name: j.shard for j in plan.jobs}
+                stage.write_json(
+                    INDEX_NAME,
+                    {
+                        "metadata": {"total_size": plan.out_bytes},
+                        "weight_map": dict(sorted(weight_map.items())),
+                    },
+                )
+            copied = sorted({n for d, skip in self.side_sources for n in stage.copy_side_files(d, skip)})
+        except OSError as exc:
+            raise _io_failure(exc, stage, "copying the fine-tune's side files") from None
+        card_source = read_side_text(self.fts[0].path, "README.md")
+        expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
+        verify_dir(stage.dir, expected=expected)
+        self.timings["verify"] = time.perf_counter() - t1
+        self.timings["total"] = self._total()
+        return copied, card_source
+
+    def report(
+        self,
+        records: list[dict],
+        copied: list[str],
+        card_source: tuple[str | None, str | None],
+        extra_report: Callable[[list[dict]], dict] | None,
+    ) -> tuple[dict, str]:
+        """The report document (with the weight-swap warnings now the records are known) and
+        the model card."""
+        plan, stage, run = self.plan, self.stage, self.run
+        output = {
+            "path": run.report_out if run.report_out is not None else str(self.out),
+            "shards": len(plan.shards),
+            "bytes": plan.out_bytes,
+            "index": plan.write_index,
+            "copied_files": copied,
+            "resumed": bool(stage.resumed),
+            "resumed_tensors": self.resumed_tensors,
+            "resumed_shards": stage.resumed,
+            "files": [{"name": r.name, "size": r.size, "sha256": r.sha256} for r in stage.done.values()],
+        }
+        if not self.swap_ruled_out:
+            swapped = input_checks.weights_swap(records, len(self.fts))
+            if run.show_notices:
+                for w in swapped:
+                    notice(w, warning=True)
+            self.input_warnings += swapped
+        extra = extra_report(records) if extra_report else None
+        doc = report_mod.build_report(
+            output=output,
+            timings=self.timings,
+            memory=report_mod.peak_memory(self.device),
+            records=records,
+            extra=extra,
+            **self.common,
+        )
+        doc["summary"]["warnings"][:0] = self.input_warnings
+        their_card, card_why = card_source
+        card, doc["output"]["model_card"] = model_card.compose(
+            report_mod.model_card(doc), their_card, self.base.source, card_why
+        )
+        return doc, card
+
+    def commit(self, doc: dict, card: str) -> None:
+        """The report (when inside OUT) and the model card into the stage, the stage moved to
+        OUT, then a ``--report`` outside OUT."""
+        stage = self.stage
+        try:
+            if self.rel_report is not None:
+                target = stage.dir / self.rel_report
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+            stage.write_text("README.md", card)
+        except OSError as exc:
+            raise _io_failure(exc, stage, "writing the report and model card") from None
+        try:
+            stage.finalize(overwrite=self.run.overwrite)
+        except OSError as exc:
+            stage.lock.release()
+            raise RuntimeFailure(f"could not move {stage.dir} to {self.out}: {exc.strerror or exc}") from None
+        write_report_outside(self.out, self.abs_report, doc)
 
 
 def write_report_outside(out: Path, abs_report: Path | None, doc: dict) -> None:

@@ -45,6 +45,10 @@ def spectral_bytes(rows: int, cols: int) -> int:
     return gram + wide
 
 
+#: Merge methods that take a spectrum of each eligible matrix (checked as ``spectral``).
+SPECTRAL_MERGES = frozenset({"dg-hard", "tsv", "iso-c", "iso-cts"})
+
+
 def ties_bytes(job: TensorJob) -> int:
     """TIES' whole-tensor selection: ``|Δ|`` in the work dtype and the radix buckets beside it."""
     return 3 * 4 * math.prod(job.shape)
@@ -72,7 +76,7 @@ def check_jobs(
             continue
         rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
         cols = job.shape[1]
-        if spectral or method == "dg-hard":
+        if spectral or method in SPECTRAL_MERGES:
             need = spectral_bytes(rows, cols)
             if need > limit:
                 s = min(rows, cols)

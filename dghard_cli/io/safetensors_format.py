@@ -26,24 +26,26 @@ from dghard_cli.io.limits import parse_json
 #: Largest header the official library accepts (100 MB); larger is refused before reading.
 MAX_HEADER_BYTES = 100_000_000
 
-#: safetensors dtype name -> (bytes per element, torch dtype or None when torch lacks it).
-DTYPES: dict[str, tuple[int, torch.dtype | None]] = {
-    "BOOL": (1, torch.bool),
-    "U8": (1, torch.uint8),
-    "I8": (1, torch.int8),
-    "F8_E4M3": (1, getattr(torch, "float8_e4m3fn", None)),
-    "F8_E5M2": (1, getattr(torch, "float8_e5m2", None)),
-    "F8_E8M0": (1, getattr(torch, "float8_e8m0fnu", None)),
-    "I16": (2, torch.int16),
-    "U16": (2, getattr(torch, "uint16", None)),
-    "F16": (2, torch.float16),
-    "BF16": (2, torch.bfloat16),
-    "I32": (4, torch.int32),
-    "U32": (4, getattr(torch, "uint32", None)),
-    "F32": (4, torch.float32),
-    "I64": (8, torch.int64),
-    "U64": (8, getattr(torch, "uint64", None)),
-    "F64": (8, torch.float64),
+#: safetensors dtype name -> (bytes per element, the torch dtype's name: an attribute of torch
+#: that a given torch build may lack, e.g. the float8 and unsigned types). Names, not dtypes, so
+#: that reading this table (headers, sizes) does not import torch.
+DTYPES: dict[str, tuple[int, str]] = {
+    "BOOL": (1, "bool"),
+    "U8": (1, "uint8"),
+    "I8": (1, "int8"),
+    "F8_E4M3": (1, "float8_e4m3fn"),
+    "F8_E5M2": (1, "float8_e5m2"),
+    "F8_E8M0": (1, "float8_e8m0fnu"),
+    "I16": (2, "int16"),
+    "U16": (2, "uint16"),
+    "F16": (2, "float16"),
+    "BF16": (2, "bfloat16"),
+    "I32": (4, "int32"),
+    "U32": (4, "uint32"),
+    "F32": (4, "float32"),
+    "I64": (8, "int64"),
+    "U64": (8, "uint64"),
+    "F64": (8, "float64"),
 }
 
 #: Floating dtypes a spectral method or merge may read and write.
@@ -70,9 +72,10 @@ DTYPE_ALIASES = {
 def torch_dtype(st_dtype: str) -> torch.dtype:
     """The torch dtype of a safetensors dtype name (raises InputError if torch lacks it)."""
     entry = DTYPES.get(st_dtype)
-    if entry is None or entry[1] is None:
+    dtype = getattr(torch, entry[1], None) if entry is not None else None
+    if not isinstance(dtype, torch.dtype):
         raise InputError(f"dtype {st_dtype} cannot be decoded by this torch build")
-    return entry[1]
+    return dtype
 
 
 def parse_dtype_option(value: str) -> str:

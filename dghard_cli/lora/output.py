@@ -76,7 +76,18 @@ from dghard_cli.report import build as report_mod
 FORMATS = ("auto", "full", "peft")
 #: Methods whose update is not low-rank for full fine-tunes: ``--format peft`` needs ``--rank``.
 NOT_LOW_RANK = frozenset(
-    {"ties", "dare-linear", "dare-ties", "task-arithmetic", "wise-ft", "recall", "lines", "layer-strengths"}
+    {
+        "ties",
+        "dare-linear",
+        "dare-ties",
+        "task-arithmetic",
+        "wise-ft",
+        "recall",
+        "lines",
+        "layer-strengths",
+        "iso-c",  # a flat spectrum over the whole rank of Σ Δ_i
+        "iso-cts",  # a flat spectrum over all min(m, n) directions
+    }
 )
 #: A repair that is a layer-strength schedule alone (``--lines``/``--layer-strengths``, no filter).
 SCHEDULE_METHODS = frozenset({"lines", "layer-strengths"})
@@ -302,7 +313,7 @@ class AdapterOutput:
         make_op: Callable[[torch.device], TensorOp],
         run: RunOptions,
         parameters: dict,
-        strengths=None,  # a bound layer-strength schedule (methods/schedule.py), or None
+        strengths=None,  # a bound layer-strength schedule (dghard_cli/schedule/), or None
     ) -> dict:
         """Write the run's result as a PEFT adapter into OUT; returns the report document.
 

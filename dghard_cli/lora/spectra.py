@@ -39,12 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-F64 = torch.float64
-EPS64 = float(np.finfo(np.float64).eps)
+EPS64 = 2.0**-52  # float64 machine epsilon (np.finfo(np.float64).eps)
 
 #: blocks(axis) yields consecutive blocks of W0 (PEFT orientation, ``m x n``): row blocks for
 #: axis 0, column blocks for axis 1, covering the matrix in order.
-BlockSource = Callable[[int], Iterable[torch.Tensor]]
+BlockSource = Callable[[int], Iterable["torch.Tensor"]]
 
 
 # -- the spectrum of scaling·B·A ----------------------------------------------------------------------
@@ -71,8 +70,8 @@ def lowrank_spectrum(b: torch.Tensor, a: torch.Tensor, scale: float = 1.0) -> Lo
     """
     if b.ndim != 2 or a.ndim != 2 or b.shape[1] != a.shape[0]:
         raise ValueError(f"B {tuple(b.shape)} and A {tuple(a.shape)} do not form a product B·A")
-    b64 = b.to(F64)
-    a64 = a.to(F64)
+    b64 = b.to(torch.float64)
+    a64 = a.to(torch.float64)
     _, rb = torch.linalg.qr(b64, mode="r")
     _, ra = torch.linalg.qr(a64.T, mode="r")
     core = rb @ ra.T
@@ -189,21 +188,21 @@ def intruder_dimensions(
     if p.shape[0] != m or q.shape[1] != n or p.shape[1] != q.shape[0]:
         raise ValueError(f"P {tuple(p.shape)} · Q {tuple(q.shape)} does not match W0 {shape}")
     device = torch.device(device)
-    p = p.to(device, F64)
-    q = q.to(device, F64)
-    mag = magnitude.to(device, F64).reshape(-1) if magnitude is not None else None
+    p = p.to(device, torch.float64)
+    q = q.to(device, torch.float64)
+    mag = magnitude.to(device, torch.float64).reshape(-1) if magnitude is not None else None
     if mag is not None and mag.numel() != m:
         raise ValueError(f"magnitude has {mag.numel()} entries, W0 has {m} rows")
-    tiny = torch.finfo(F64).tiny
+    tiny = torch.finfo(torch.float64).tiny
     k_eff = max(0, min(k, m, n))
     dora_scale = None
 
     if m <= n:
-        g0 = torch.zeros((m, m), dtype=F64, device=device)
-        z = torch.zeros((m, p.shape[1]), dtype=F64, device=device)
+        g0 = torch.zeros((m, m), dtype=torch.float64, device=device)
+        z = torch.zeros((m, p.shape[1]), dtype=torch.float64, device=device)
         col = 0
         for blk in blocks(1):
-            wc = blk.to(device, F64)
+            wc = blk.to(device, torch.float64)
             c = wc.shape[1]
             g0.addmm_(wc, wc.T)
             z.addmm_(wc, q[:, col : col + c].T)
@@ -232,17 +231,17 @@ def intruder_dimensions(
         pool = m
     else:
         r = p.shape[1]
-        g0 = torch.zeros((n, n), dtype=F64, device=device)
+        g0 = torch.zeros((n, n), dtype=torch.float64, device=device)
         if mag is None:
-            x = torch.zeros((n, r), dtype=F64, device=device)
+            x = torch.zeros((n, r), dtype=torch.float64, device=device)
         else:
-            gf = torch.zeros((n, n), dtype=F64, device=device)
-            cm = torch.zeros((n, n), dtype=F64, device=device)
+            gf = torch.zeros((n, n), dtype=torch.float64, device=device)
+            cm = torch.zeros((n, n), dtype=torch.float64, device=device)
             delta2 = 0.0
             scales = []
         row = 0
         for blk in blocks(0):
-            wb = blk.to(device, F64)
+            wb = blk.to(device, torch.float64)
             b = wb.shape[0]
             pb = p[row : row + b]
             g0.addmm_(wb.T, wb)

@@ -41,7 +41,6 @@ from dghard_cli.lora.adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterWeights
 from dghard_cli.lora.config import ADAPTER_CONFIG
 
 SPOOL_PREFIX = "dghard-spool-"
-_TORCH_TO_ST = {v[1]: k for k, v in DTYPES.items() if v[1] is not None and k not in ("U16", "U32", "U64")}
 _CHUNK = 64 * 1024 * 1024
 
 #: Tokenizer and chat-template files an adapter directory may carry (never a model config).
@@ -59,7 +58,8 @@ def tokenizer_files(directory: Path) -> set[str]:
 
 
 def st_dtype(t: torch.Tensor) -> str:
-    return _TORCH_TO_ST[t.dtype]
+    name = str(t.dtype).removeprefix("torch.")
+    return next(k for k, v in DTYPES.items() if v[1] == name and k not in ("U16", "U32", "U64"))
 
 
 def module_names(tensor_names) -> set[str]:

@@ -254,9 +254,9 @@ def _release(model, device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-@torch.no_grad()
 def _hidden(model, ids: torch.Tensor, device: torch.device) -> list[torch.Tensor]:
-    out = model(input_ids=ids.to(device), output_hidden_states=True, use_cache=False)
+    with torch.no_grad():
+        out = model(input_ids=ids.to(device), output_hidden_states=True, use_cache=False)
     return [h[0].float().cpu() for h in out.hidden_states]  # each: tokens x hidden
 
 

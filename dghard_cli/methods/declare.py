@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dghard_cli.errors import InputError
+from dghard_cli.schedule.spec import LAYER_STRENGTHS_FLAG, layer_strengths_value, lines_value
 
 #: Kinds of parameter values (also the type named in a recipe's error messages).
 NUMBER, INT, WEIGHTS, PATH, MAPPING = "number", "integer", "weights", "path", "mapping"
@@ -137,7 +138,7 @@ def in_range(lo: float, hi: float, name: str, what: str = "") -> Callable[[Any, 
 
 
 # -- the parameters every method takes ---------------------------------------------------------
-# The layer-strength schedule (LiNeS, :mod:`dghard_cli.methods.schedule`): two spellings of one
+# The layer-strength schedule (LiNeS, :mod:`dghard_cli.schedule`): two spellings of one
 # MergeOptions field, ``schedule`` (a LayerSchedule), at most one of them given.
 
 
@@ -150,18 +151,6 @@ def _describe_schedule(value: Any) -> dict:
     return value.describe() if value is not None else {}
 
 
-def _lines_value(value: Any) -> Any:
-    from dghard_cli.methods.schedule import lines_value
-
-    return lines_value(value)
-
-
-def _layer_strengths_value(value: Any) -> Any:
-    from dghard_cli.methods.schedule import layer_strengths_value
-
-    return layer_strengths_value(value)
-
-
 LINES = Param(
     "lines",
     SCHEDULE,
@@ -170,7 +159,7 @@ LINES = Param(
     check=_schedule_of("lines"),
     attr="schedule",
     describe=_describe_schedule,
-    build=_lines_value,
+    build=lines_value,
 )
 LAYER_STRENGTHS = Param(
     "layer_strengths",
@@ -178,10 +167,10 @@ LAYER_STRENGTHS = Param(
     "Explicit per-group strengths, e.g. 'embed=0.2,0-7=0.3,8-15=0.6,head=1' (every block once), "
     "or a YAML file of that mapping.",
     check=_schedule_of("groups"),
-    flag="--layer-strengths",
+    flag=LAYER_STRENGTHS_FLAG,
     attr="schedule",
     describe=_describe_schedule,
-    build=_layer_strengths_value,
+    build=layer_strengths_value,
 )
 
 #: Parameters every method takes, after its own.

@@ -38,7 +38,7 @@ from dghard_cli.methods.topk_stream import StreamingTopK
 from dghard_cli.methods.wise_ft import wise_ft_delta
 
 #: ``exact(i, positions) -> float64 |W_i − W_base|`` at flat positions of the current block.
-BlockExact = Callable[[int, torch.Tensor], torch.Tensor]
+BlockExact = Callable[[int, "torch.Tensor"], "torch.Tensor"]
 
 BLOCK_BYTES = 64 * 1024 * 1024
 
@@ -303,9 +303,18 @@ class LayerWeightsKernel(Kernel):
 
 
 def squared_norm(t: torch.Tensor) -> float:
-    """‖t‖² in one pass with no temporary; NaN/Inf anywhere in ``t`` make it non-finite."""
+    """‖t‖² in one pass with no temporary; NaN/Inf anywhere in ``t`` make it non-finite.
+
+    Finite values whose squares overflow the work dtype (float32 beyond ~1.8e19, bf16's top
+    range) are summed again in float64, so only a NaN/Inf in ``t`` gives a non-finite result."""
     flat = t.reshape(-1)
-    return float(torch.dot(flat, flat)) if flat.numel() else 0.0
+    if not flat.numel():
+        return 0.0
+    sq = float(torch.dot(flat, flat))
+    if math.isfinite(sq) or flat.dtype == torch.float64 or not bool(torch.isfinite(flat).all()):
+        return sq
+    wide = flat.to(torch.float64)
+    return float(torch.dot(wide, wide))
 
 
 def _nonfinite_input(job: TensorJob, b: torch.Tensor, f: torch.Tensor, i: int) -> InputError:

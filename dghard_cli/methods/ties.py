@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 #: ``exact(positions) -> float64 magnitudes`` at flat positions (ranks the ambiguous entries).
-ExactMagnitudes = Callable[[torch.Tensor], torch.Tensor]
+ExactMagnitudes = Callable[["torch.Tensor"], "torch.Tensor"]
 
 
 def keep_count(numel: int, density: float) -> int:
@@ -59,7 +59,7 @@ class TopK:
         return self.above + int(self.keep_equal.numel())
 
 
-_BITS = {torch.float32: (torch.int32, 16), torch.float64: (torch.int64, 48)}
+_BITS = {"float32": ("int32", 16), "float64": ("int64", 48)}  # by name: no torch at import
 #: Entries per chunk of the radix histogram (bounds its temporaries).
 _RADIX_CHUNK = 1 << 24
 
@@ -73,12 +73,12 @@ def _kth_largest_candidates(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, i
     that bucket only. Other dtypes: ``kthvalue`` on the whole tensor.
     """
     n = flat.numel()
-    spec = _BITS.get(flat.dtype)
+    spec = _BITS.get(str(flat.dtype).removeprefix("torch."))
     if spec is None or not flat.is_contiguous():
         t = torch.kthvalue(flat, n - k + 1).values
         return t, int(torch.count_nonzero(flat > t)), torch.nonzero(flat == t).reshape(-1)
-    int_dtype, shift = spec
-    ints = flat.view(int_dtype)
+    int_name, shift = spec
+    ints = flat.view(getattr(torch, int_name))
     # bucket = top 15 value bits, in [0, 2^15) for non-negative values; computed chunk by chunk so
     # the temporaries stay small however long the tensor (one 1×N matrix is one "row")
     spans = [(i, min(i + _RADIX_CHUNK, n)) for i in range(0, n, _RADIX_CHUNK)]

@@ -33,10 +33,10 @@ from collections.abc import Callable
 import torch
 
 #: ``exact(positions) -> float64 magnitudes`` at flat positions *of the current block*.
-BlockExact = Callable[[torch.Tensor], torch.Tensor]
+BlockExact = Callable[["torch.Tensor"], "torch.Tensor"]
 
 _LEVEL_BITS = 16
-_INT_VIEW = {torch.float32: (torch.int32, 32), torch.float64: (torch.int64, 64)}
+_INT_VIEW = {"float32": ("int32", 32), "float64": ("int64", 64)}  # by name: no torch at import
 
 
 class _Radix:
@@ -94,11 +94,12 @@ class StreamingTopK:
     """
 
     def __init__(self, numel: int, k: int, dtype: torch.dtype, cap: int = 1 << 22) -> None:
-        if dtype not in _INT_VIEW:
+        view = _INT_VIEW.get(str(dtype).removeprefix("torch."))
+        if view is None:
             raise ValueError(f"StreamingTopK works on float32/float64 magnitudes, not {dtype}")
         self.numel = numel
         self.k = max(0, min(k, numel))
-        self.int_dtype, bits = _INT_VIEW[dtype]
+        self.int_dtype, bits = getattr(torch, view[0]), view[1]
         self.dtype = dtype
         self.cap = cap
         self._value = _Radix(bits, self.k)

@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 
 SCHEMA_VERSION = 1
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.score import scales
 from dghard_cli.score.results import ResultFile, Score, ScoreLike, _is_number
@@ -84,10 +84,14 @@ def score_candidates(
     min_margin: float = DEFAULT_MIN_MARGIN,
     stderr_factor: float = DEFAULT_STDERR_FACTOR,
     fail_under: float | None = None,
+    targets_in_retention: bool = False,
 ) -> dict:
     """Score candidates against base and fine-tune; returns the score document.
 
-    All scores are in points. Raises InputError (exit 2) for a benchmark missing from the
+    All scores are in points. ``targets_in_retention`` (the sweep with several fine-tunes,
+    :mod:`dghard_cli.score.experts`): % retention is the mean over the improved benchmarks
+    *and* the targets, so HM weighs every expert's gain on its own benchmark; a missing
+    damaged partition is then a note (``notes``), not a warning. Raises InputError (exit 2) for a benchmark missing from the
     fine-tune or a candidate, an unknown target, a negative margin or no candidate.
     """
     if margin is not None and not (math.isfinite(margin) and margin >= 0):
@@ -167,7 +171,14 @@ def score_candidates(
             }
         )
     counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
-    if counts["damaged"] == 0 and counts["improved"] == 0:
+    notes: list[str] = []
+    gains = counts["improved"] + (counts["target"] if targets_in_retention else 0)
+    if targets_in_retention and counts["damaged"] == 0 and gains:
+        notes.append(
+            "no benchmark outside the targets was damaged by any fine-tune: % repair is undefined and "
+            "HM is the % retention (targets and improved benchmarks) alone"
+        )
+    elif counts["damaged"] == 0 and gains == 0:
         warnings.append(
             "no damaged and no improved benchmarks (outside the targets, the fine-tune moved none by "
             "more than its margin): "
@@ -175,7 +186,7 @@ def score_candidates(
         )
     elif counts["damaged"] == 0:
         warnings.append("no damaged benchmarks: % repair is undefined and HM is the % retention alone")
-    elif counts["improved"] == 0:
+    elif gains == 0:
         warnings.append("no improved benchmarks: % retention is undefined and HM is the % repair alone")
 
     cands = []
@@ -212,6 +223,8 @@ def score_candidates(
             else:
                 val = (cv - bv) / (fv - bv) * 100.0 if fv != bv else None
                 tgt[k] = val
+                if targets_in_retention and val is not None:
+                    ret.append(val)
             rows.append(
                 {
                     "name": k,
@@ -271,6 +284,9 @@ def score_candidates(
         "best": order[0],
         "warnings": warnings,
     }
+    if targets_in_retention:
+        doc["retention_includes_targets"] = True
+        doc["notes"] = notes
     others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
     doc["units_assumed"] = scales.describe(base, others, min_margin)
     warnings += scales.notes(base, others)

@@ -24,7 +24,6 @@ import torch
 
 from dghard_cli.spectral.routes import spectrum_from_gram
 
-F64 = torch.float64
 #: Singular values below this fraction of the largest are rounding noise (the Gram route resolves
 #: about √ε₆₄ ≈ 1.5e-8 of σ₁, a float32-stored delta about 6e-8 of each entry).
 NUMERICAL_RANK_RTOL = 1e-6
@@ -72,8 +71,8 @@ def _rank(sigma: np.ndarray, max_rank: int | None) -> tuple[int, int]:
 
 def _empty(m: int, n: int, fro2: float, device) -> Factors:
     return Factors(
-        left=torch.zeros((m, 0), dtype=F64, device=device),
-        right=torch.zeros((0, n), dtype=F64, device=device),
+        left=torch.zeros((m, 0), dtype=torch.float64, device=device),
+        right=torch.zeros((0, n), dtype=torch.float64, device=device),
         sigma=np.zeros(0),
         numerical_rank=0,
         fro2=fro2,
@@ -103,7 +102,7 @@ def factorize(
     def blocks() -> Iterable[torch.Tensor]:
         return (x[r0 : r0 + step] for r0 in range(0, rows, step))
 
-    g = torch.zeros((cols, cols), dtype=F64, device=device)
+    g = torch.zeros((cols, cols), dtype=torch.float64, device=device)
     for xb in blocks():
         gram_add(g, xb)
     fac = factors_from_gram(g, (rows, cols), blocks, max_rank)
@@ -114,7 +113,7 @@ def factorize(
 
 def gram_add(g: torch.Tensor, xb: torch.Tensor) -> None:
     """``g += xbᵀ xb`` in float64 on ``g``'s device (``xb``: a row block of the tall form)."""
-    x = xb.to(device=g.device, dtype=F64)
+    x = xb.to(device=g.device, dtype=torch.float64)
     g.addmm_(x.T, x)
 
 
@@ -140,7 +139,7 @@ def factors_from_gram(
     if k == 0:
         return _empty(rows, cols, fro2, device)
     v = spectrum.vectors_for(np.arange(k)).to(device).contiguous()
-    y = torch.cat([xb.to(device=device, dtype=F64) @ v for xb in blocks()], dim=0)
+    y = torch.cat([xb.to(device=device, dtype=torch.float64) @ v for xb in blocks()], dim=0)
     kept2 = float(torch.sum(y * y))
     return Factors(y, v.T.contiguous(), sigma[:numerical], numerical, fro2, kept2)
 
@@ -149,7 +148,7 @@ def factorize_product(b: torch.Tensor, a: torch.Tensor, max_rank: int | None = N
     """Exact SVD factors of ``B·A`` (``m x r`` times ``r x n``) without forming the product."""
     if b.ndim != 2 or a.ndim != 2 or b.shape[1] != a.shape[0]:
         raise ValueError("factorize_product needs B (m x r) and A (r x n)")
-    b64, a64 = b.to(F64), a.to(F64)
+    b64, a64 = b.to(torch.float64), a.to(torch.float64)
     m, n = b64.shape[0], a64.shape[1]
     qb, rb = torch.linalg.qr(b64)
     qa, ra = torch.linalg.qr(a64.T)
@@ -187,21 +186,21 @@ def factorize_certified(
     rows, cols = shape
     w = min(cols, max(1, width))
     dev = device or torch.device("cpu")
-    omega = torch.randn((cols, w), generator=torch.Generator().manual_seed(seed), dtype=F64).to(dev)
+    omega = torch.randn((cols, w), generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dev)
     fro2 = 0.0
     ys = []
     for xb in blocks():
-        x = xb.to(device=dev, dtype=F64)
+        x = xb.to(device=dev, dtype=torch.float64)
         fro2 += float(torch.sum(x * x))
         ys.append(x @ omega)
     if not fro2 > 0:
         return _empty(rows, cols, 0.0, dev)
     q = torch.linalg.qr(torch.cat(ys, dim=0))[0]
     del ys
-    c = torch.zeros((q.shape[1], cols), dtype=F64, device=dev)
+    c = torch.zeros((q.shape[1], cols), dtype=torch.float64, device=dev)
     r0 = 0
     for xb in blocks():
-        x = xb.to(device=dev, dtype=F64)
+        x = xb.to(device=dev, dtype=torch.float64)
         c.addmm_(q[r0 : r0 + x.shape[0]].T, x)
         r0 += x.shape[0]
     captured = float(torch.sum(c * c))

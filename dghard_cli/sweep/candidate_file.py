@@ -8,15 +8,19 @@ from importlib import resources
 from pathlib import Path
 
 from dghard_cli.errors import InputError
+from dghard_cli.io.yaml_file import read_yaml_file
 from dghard_cli.methods import registry
-from dghard_cli.methods.recipe import read_yaml_file
-from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, KINDS, FamilyEntry, make_candidate
+from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, FamilyEntry, kinds
 from dghard_cli.sweep.candidates import is_number as _num
+from dghard_cli.sweep.family_dispatch import make_candidate
 
 MAX_CANDIDATES_BYTES = 1024 * 1024
 
 
 DEFAULT_CANDIDATES = "sweep-default.yaml"
+
+
+TOP_KEYS = ("families", "merges")
 
 
 ENTRY_KEYS = ("family", "axis", "grid", "range", "log", "tolerance", "refine", "fixed", "fine_tunes")
@@ -28,8 +32,9 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
     if not isinstance(raw, dict):
         raise InputError(f"{at}: expected a mapping with 'family' and 'grid', got {type(raw).__name__}")
     fam = raw.get("family")
-    if not isinstance(fam, str) or fam.strip().lower() not in KINDS and fam.strip().lower() != "dare":
-        raise InputError(f"{at}: 'family' must be one of {', '.join(KINDS)}, got {fam!r}")
+    known = kinds()
+    if not isinstance(fam, str) or fam.strip().lower() not in known and fam.strip().lower() != "dare":
+        raise InputError(f"{at}: 'family' must be one of {', '.join(known)}, got {fam!r}")
     fam = fam.strip().lower()
     fam = "dare-linear" if fam == "dare" else fam
     if fam == "lines":
@@ -40,7 +45,7 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
     for key in raw:
         if key not in ENTRY_KEYS:
             raise InputError(f"{at}: unknown key {key!r} (known keys: {', '.join(ENTRY_KEYS)})")
-    kind = KINDS[fam]
+    kind = known[fam]
     axis = raw.get("axis", kind.axes[0])
     if axis not in kind.axes:
         raise InputError(f"{at}: axis {axis!r} cannot be swept for {fam} (axes: {', '.join(kind.axes)})")
@@ -136,15 +141,22 @@ def check_entry(entry: FamilyEntry, n_fts: int, where: str) -> None:
 
 
 def parse_candidates(doc: object, where: str) -> list[FamilyEntry]:
-    if not isinstance(doc, dict) or "families" not in doc:
-        raise InputError(f"{where}: expected a mapping with a 'families' list")
-    unknown = [k for k in doc if k != "families"]
+    """The entries of a candidate file: its ``families``, then one entry per swept merge method
+    when it has a ``merges:`` block (:mod:`dghard_cli.sweep.merges`)."""
+    if not isinstance(doc, dict) or not ("families" in doc or "merges" in doc):
+        raise InputError(f"{where}: expected a mapping with a 'families' list (and/or a 'merges' block)")
+    unknown = [k for k in doc if k not in TOP_KEYS]
     if unknown:
-        raise InputError(f"{where}: unknown top-level key {unknown[0]!r} (known: families)")
-    fams = doc["families"]
-    if not isinstance(fams, list) or not fams:
+        raise InputError(f"{where}: unknown top-level key {unknown[0]!r} (known: {', '.join(TOP_KEYS)})")
+    fams = doc.get("families", [])
+    if not isinstance(fams, list) or ("families" in doc and not fams):
         raise InputError(f"{where}: 'families' must be a non-empty list")
-    return [parse_entry(raw, i, where) for i, raw in enumerate(fams)]
+    entries = [parse_entry(raw, i, where) for i, raw in enumerate(fams)]
+    if "merges" in doc:
+        from dghard_cli.sweep import merges
+
+        entries += merges.block_entries(merges.parse_block(doc["merges"], where), len(entries))
+    return entries
 
 
 def load_candidates(path: str | Path | None) -> tuple[list[FamilyEntry], str]:

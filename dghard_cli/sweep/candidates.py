@@ -1,5 +1,5 @@
-"""Candidate families of ``dghard sweep``: what a candidate is, how it is written, how it is
-reproduced, and the YAML file that lists them (``--candidates``).
+"""Candidate families of ``dghard sweep``: what a family, an entry of the candidate file
+(``--candidates``) and a candidate are, and where a reproduction command writes.
 
 A *family* is one way to change the fine-tune's update, with one *strength axis*:
 
@@ -19,11 +19,11 @@ dg-hard            merge      DG-Hard on each Δ_i at scale s, then summed      
 lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiNeS)        (α, β): 2-D
 =================  =========  ================================================  ==============
 
-The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweep.lines` (the
-functions here hand its entries and candidates over to it).
-
-Every candidate is written by the library function of its command (``repair`` or ``merge``),
-so it is byte for byte what the printed command writes.
+The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweep.lines`; a
+candidate of any family is made, reproduced and written by :mod:`dghard_cli.sweep.family_dispatch`. With several fine-tunes the
+candidate file's ``merges:`` block (:mod:`dghard_cli.sweep.merges`) makes one entry per
+registered merge method and, for the best merge, follow-ups: its density, and the merge under
+``--lines α,β`` (a merge candidate whose parameters carry ``lines``).
 """
 
 from __future__ import annotations
@@ -31,15 +31,8 @@ from __future__ import annotations
 import math
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from dghard_cli.engine.runner import RunOptions
-from dghard_cli.errors import InputError
-from dghard_cli.lora.output import LoraOutputOptions
-from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
-from dghard_cli.repair import RepairOptions, repair
-from dghard_cli.spectral.spectrum import ShrinkSpec
 
 #: Probes found by refinement are rounded to this many significant digits (short commands;
 #: a probe that rounds onto an evaluated value ends that family's refinement).
@@ -123,6 +116,13 @@ def _merge_kind(m: registry.MergeMethod) -> FamilyKind:
 KINDS.update({m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes})
 
 
+def kinds() -> dict[str, FamilyKind]:
+    """Every family: the repair kinds and one per merge method of the registry *as it is now*
+    (a method module found after this module was imported is a family too)."""
+    merges = {m.name: _merge_kind(m) for m in registry.methods().values() if m.sweep_axes}
+    return {**{k: v for k, v in KINDS.items() if v.command == "repair"}, **merges}
+
+
 @dataclass
 class FamilyEntry:
     """One entry of the candidate file: a family, its axis, coarse grid and refinement range."""
@@ -137,10 +137,14 @@ class FamilyEntry:
     fixed: dict = field(default_factory=dict)
     fine_tunes: str | None = None  # "one" | "several" | "any"; None: the family's default
     index: int = 0  # position in the file (for messages and the report)
+    #: where the entry comes from: "file" (an entry of ``families``), "merges" (made from the
+    #: ``merges:`` block, one per registered merge method), "follow-up" (sweep/merges.py)
+    origin: str = "file"
+    followups: dict | None = None  # "merges" entries: the block's density grid and lines pairs
 
     @property
     def kind(self) -> FamilyKind:
-        return KINDS[self.family]
+        return KINDS.get(self.family) or kinds()[self.family]
 
     @property
     def lo(self) -> float:
@@ -162,7 +166,7 @@ class FamilyEntry:
         return when == "any" or (when == "one") == (n_fts == 1)
 
     def describe(self) -> dict:
-        return {
+        d = {
             "index": self.index,
             "family": self.family,
             "command": self.kind.command,
@@ -172,9 +176,12 @@ class FamilyEntry:
             "log": self.log,
             "tolerance": self.tolerance,
             "refine": self.refine,
-            "fixed": dict(self.fixed),
+            "fixed": {k: list(v) if isinstance(v, tuple) else v for k, v in self.fixed.items()},
             "fine_tunes": self.fine_tunes or self.kind.default_when,
         }
+        if self.origin != "file":
+            d["origin"] = self.origin
+        return d
 
 
 @dataclass(frozen=True)
@@ -197,7 +204,10 @@ class Candidate:
         extra = [
             f"{k}={_fmt(v)}"
             for k, v in self.params
-            if k not in (self.axis, "shrink", "method", "noise") and v is not None and k in _SHOWN
+            if k not in (self.axis, "shrink", "method", "noise")
+            and v is not None
+            and k in _SHOWN
+            and not (k == "weights" and all(w == 1.0 for w in v))  # the default: not shown
         ]
         return f"{self.family} {self.axis}={_fmt(self.value)}" + (f" ({', '.join(extra)})" if extra else "")
 
@@ -221,60 +231,9 @@ def round_sig(x: float, digits: int = SIGNIFICANT_DIGITS) -> float:
     return float(f"{x:.{digits}g}")
 
 
-# -- candidates -------------------------------------------------------------------------------
-
-
-def make_candidate(entry: FamilyEntry, value: float, *, n_fts: int, where: str = "candidate") -> Candidate:
-    """The candidate of ``entry`` at axis value ``value``: every parameter explicit and checked."""
-    if entry.family == "lines":  # value: an (α, β) pair or a per-group point
-        from dghard_cli.sweep import lines
-
-        return lines.make_candidate(entry, value, n_fts=n_fts, where=where)  # type: ignore[arg-type]
-    try:
-        return _make_candidate(entry, value, n_fts)
-    except InputError as exc:
-        raise InputError(f"{where}: {exc}") from None
-
-
 def is_number(v: object) -> bool:
     """A finite int or float (not a bool)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
-
-
-def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
-    kind = entry.kind
-    axis = entry.axis or kind.axes[0]
-    value = float(value)
-    vals = {**entry.fixed, axis: value}
-    if kind.command == "repair":
-        shrink = entry.family
-        spec = ShrinkSpec(
-            shrink=shrink,
-            scale=float(vals.get("scale", 1.0)),
-            noise=str(vals.get("noise", "known" if "sigma" in vals else "median")),
-            sigma=None if vals.get("sigma") is None else float(vals["sigma"]),
-            a=float(vals.get("a", 1.0)),
-            b=float(vals.get("b", 0.0)),
-        )
-        p = {"shrink": spec.shrink, "scale": spec.scale, "noise": spec.noise}
-        if spec.noise == "known":
-            p["sigma"] = spec.sigma
-        if shrink == "twoknob":
-            p["a"], p["b"] = spec.a, spec.b
-    else:
-        weights = vals.get("weights")
-        if weights is not None and (not isinstance(weights, list) or not all(is_number(w) for w in weights)):
-            raise InputError("'weights' must be a list of numbers")
-        given = {q.name: vals.get(q.name) for q in registry.scalar_params()}
-        given["weights"] = None if weights is None else [float(w) for w in weights]
-        kwargs, extra = registry.options_values(given)
-        p = resolve_parameters(MergeOptions(method=entry.family, extra=extra, **kwargs), n_fts)
-        carried = {"method", *(q.name for q in registry.scalar_params())}
-        p = {k: v for k, v in p.items() if k in carried}
-    params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in p.items()))
-    return Candidate(
-        entry=entry.index, family=entry.family, command=kind.command, axis=axis, value=value, params=params
-    )
 
 
 #: The printed reproduction command writes to OUT + this (OUT itself holds the winner).
@@ -297,68 +256,5 @@ def degenerate_on_adapters(entry: FamilyEntry) -> bool:
     )
 
 
-def reproduce_argv(
-    cand: Candidate, base: str, fts: list[str], out: str, device: str, *, merge_adapters: bool = False
-) -> list[str]:
-    """The one ``dghard repair``/``dghard merge`` command line that writes this candidate
-    (``merge_adapters``: the fine-tunes are LoRA adapters, written as the full merged checkpoint)."""
-    if cand.family == "lines":
-        from dghard_cli.sweep import lines
-
-        return lines.reproduce_argv(cand, base, fts[0], out, device) + (["--merge"] if merge_adapters else [])
-    p = cand.param_dict
-    dev = ["--device", device] if device != "auto" else []
-    dev = (["--merge"] if merge_adapters else []) + dev
-    if cand.command == "repair":
-        argv = ["dghard", "repair", base, fts[0], out, "--shrink", p["shrink"], "--scale", _fmt(p["scale"])]
-        if p["shrink"] == "twoknob":
-            argv += ["--a", _fmt(p["a"]), "--b", _fmt(p["b"])]
-        if p["noise"] == "known":
-            argv += ["--noise", "known", "--sigma", _fmt(p["sigma"])]
-        return argv + dev
-    argv = ["dghard", "merge", "--method", p["method"]]
-    for q in registry.scalar_params():
-        if q.name in p:
-            argv += [q.cli_flag, _fmt(p[q.name])]
-    return argv + [base, *fts, "--out", out] + dev
-
-
 def shell_command(argv: list[str]) -> str:
     return shlex.join(argv)
-
-
-def write_candidate(
-    cand: Candidate,
-    base: str,
-    fts: list[str],
-    out: Path,
-    *,
-    device: str,
-    argv: list[str],
-    report_out: str | None = None,
-    merge_adapters: bool = False,
-) -> dict:
-    """Write ``cand`` into ``out`` with the command's own library function; returns its report.
-
-    ``report_out``: the output path its report names (the sweep's OUT, where the winner is
-    moved); None: ``out``.
-    """
-    if cand.family == "lines":
-        from dghard_cli.sweep import lines
-
-        return lines.write_candidate(cand, base, fts[0], out, device=device, argv=argv, report_out=report_out)
-    p = cand.param_dict
-    run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
-    lora = LoraOutputOptions(merge=merge_adapters)
-    if cand.command == "repair":
-        spec = ShrinkSpec(
-            shrink=p["shrink"],
-            scale=p["scale"],
-            noise=p["noise"],
-            sigma=p.get("sigma"),
-            a=p.get("a", 1.0),
-            b=p.get("b", 0.0),
-        )
-        return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
-    kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
-    return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, lora=lora, **kwargs))

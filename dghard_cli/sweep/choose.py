@@ -55,12 +55,14 @@ def update_distance(base: Checkpoint, fts: list[Checkpoint], cand: Checkpoint) -
     return math.sqrt(num / den)
 
 
-def target_ok(cd: dict, min_retention: float) -> bool:
-    """Every target whose retention is defined keeps at least ``min_retention`` %."""
+def target_ok(cd: dict, min_retention: float | None) -> bool:
+    """Every target whose retention is defined keeps at least ``min_retention`` % (None: no bar)."""
+    if min_retention is None:
+        return True
     return all(v is None or v >= min_retention for v in cd["target_retention"].values())
 
 
-def objective(cd: dict | None, distance: float, min_retention: float) -> tuple | None:
+def objective(cd: dict | None, distance: float, min_retention: float | None) -> tuple | None:
     """What the search maximises: feasible first, then HM (infeasible: the worst target's
     retention, so refinement moves toward feasibility), then closeness to the fine-tune."""
     if cd is None:
@@ -74,7 +76,7 @@ def objective(cd: dict | None, distance: float, min_retention: float) -> tuple |
 
 
 def choose_winner(
-    rows: list[dict], min_retention: float, tie_tolerance: float
+    rows: list[dict], min_retention: float | None, tie_tolerance: float
 ) -> tuple[dict | None, str | None]:
     """The winner among scored candidate rows (``hm``, ``feasible``, ``distance``, ``order``)."""
     ok = [r for r in rows if r["status"] == "ok"]

@@ -4,7 +4,7 @@ block ranges and the ``--layer-strengths`` schedule of a per-group point, a cand
 ``dghard repair``.
 
 Relies on :mod:`dghard_cli.sweep.candidates` (the family-independent candidate types and number
-formatting), :mod:`dghard_cli.methods.schedule` (``LayerSchedule``) and :func:`dghard_cli.repair.repair`.
+formatting), :mod:`dghard_cli.schedule.spec` (``LayerSchedule``) and :func:`dghard_cli.repair.repair`.
 :mod:`dghard_cli.sweep.lines` is the public entry and describes the family's search.
 """
 
@@ -17,8 +17,8 @@ from dghard_cli.architecture import place_depth
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
-from dghard_cli.methods.schedule import LayerSchedule, parse_layer_strengths
 from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.schedule.spec import LayerSchedule, parse_layer_strengths
 from dghard_cli.spectral.spectrum import ShrinkSpec
 from dghard_cli.sweep.candidates import Candidate, FamilyEntry, _fmt, round_sig
 
@@ -51,8 +51,27 @@ class LinesEntry(FamilyEntry):
     refine_groups: bool = False  # dghard sweep --refine groups
     num_layers: int | None = None  # bound from FT when the sweep opens its inputs
     grid_pairs: list[tuple[float, float]] = field(default_factory=list)
+    #: a merge under the schedule (sweep/merges.py follow-up): the merge candidate's parameters,
+    #: to which each point adds ``lines``; None: ``dghard repair --lines``
+    merge_params: tuple | None = None
 
     def describe(self) -> dict:
+        if self.merge_params is not None:
+            p = dict(self.merge_params)
+            return {
+                "index": self.index,
+                "family": self.family,
+                "command": "merge",
+                "axis": "alpha,beta",
+                "grid": [list(q) for q in self.grid_pairs],
+                "range": {"alpha": list(self.alpha_range), "beta": list(self.beta_range)},
+                "step": self.step,
+                "tolerance": self.tolerance,
+                "refine": self.refine,
+                "fixed": {k: list(v) if isinstance(v, tuple) else v for k, v in p.items()},
+                "fine_tunes": "several",
+                "origin": self.origin,
+            }
         return {
             "index": self.index,
             "family": self.family,
@@ -160,6 +179,8 @@ def make_candidate(entry: LinesEntry, value: object, *, n_fts: int, where: str =
 
 
 def _make(entry: LinesEntry, value: object) -> Candidate:
+    if entry.merge_params is not None:
+        return _make_merge(entry, value)
     p = _spectral_params(entry.fixed)
     if isinstance(value, GroupPoint):
         if entry.num_layers is None:
@@ -185,6 +206,25 @@ def _make(entry: LinesEntry, value: object) -> Candidate:
         axis=axis,
         value=val,
         params=params,  # type: ignore[arg-type]
+    )
+
+
+def _make_merge(entry: LinesEntry, value: object) -> Candidate:
+    """A merge candidate (its method's parameters as found) under ``--lines α,β``."""
+    if isinstance(value, GroupPoint):
+        raise InputError("internal error: per-group refinement is not defined for merge schedules")
+    a, b = value  # type: ignore[misc]
+    a, b = float(a), float(b)
+    if not (math.isfinite(a) and math.isfinite(b)):
+        raise InputError(f"--lines needs finite numbers, got {a},{b}")
+    p = {**dict(entry.merge_params or ()), "lines": (a, b)}
+    return Candidate(
+        entry=entry.index,
+        family=str(p["method"]),
+        command="merge",
+        axis="lines",
+        value=(a, b),  # type: ignore[arg-type]
+        params=tuple(sorted(p.items())),
     )
 
 

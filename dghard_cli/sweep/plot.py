@@ -27,8 +27,13 @@ def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return sorted(set(front))
 
 
-def frontier_png(rows: list[dict], winner: dict | None, refs: dict[str, dict]) -> bytes | None:
+def frontier_png(
+    rows: list[dict], winner: dict | None, refs: dict[str, dict], *, several: bool = False
+) -> bytes | None:
     """The plot, or None when no candidate has both % repair and % retention defined.
+
+    ``several``: several fine-tunes (the axes are scored against each benchmark's expert, and
+    every fine-tune is drawn as a reference).
 
     Raises ImportError when matplotlib is not installed.
     """
@@ -74,12 +79,18 @@ def frontier_png(rows: list[dict], winner: dict | None, refs: dict[str, dict]) -
             zorder=0,
             label="frontier",
         )
-    for name, marker in (("BASE", "s"), ("FT", "D")):
+    names = [("BASE", "s"), *((n, "D") for n in refs if n.startswith("FT"))]
+    for i, (name, marker) in enumerate(names):
         sc = refs.get(name)
         if sc and sc.get("repair") is not None and sc.get("retention") is not None:
             ax.plot(sc["retention"], sc["repair"], marker, ms=7, color="black", mfc="white")
+            lift = 4 + 9 * max(0, i - 1)  # several fine-tunes often land together: stack their names
             ax.annotate(
-                name, (sc["retention"], sc["repair"]), textcoords="offset points", xytext=(6, 4), fontsize=8
+                name,
+                (sc["retention"], sc["repair"]),
+                textcoords="offset points",
+                xytext=(6, lift),
+                fontsize=8,
             )
     if winner is not None and winner.get("repair") is not None and winner.get("retention") is not None:
         ax.plot(
@@ -100,8 +111,12 @@ def frontier_png(rows: list[dict], winner: dict | None, refs: dict[str, dict]) -
             fontsize=8,
             bbox={"boxstyle": "round,pad=0.2", "fc": "white", "ec": "#999999", "alpha": 0.9},
         )
-    ax.set_xlabel("% retention (of the fine-tune's gains on improved benchmarks)")
-    ax.set_ylabel("% repair (of the damage on damaged benchmarks)")
+    if several:
+        ax.set_xlabel("% retention (of each expert's gain: targets and improved benchmarks)")
+        ax.set_ylabel("% repair (of the worst fine-tune's damage to the base's skills)")
+    else:
+        ax.set_xlabel("% retention (of the fine-tune's gains on improved benchmarks)")
+        ax.set_ylabel("% repair (of the damage on damaged benchmarks)")
     ax.axhline(0, color="#cccccc", lw=0.8, zorder=0)
     ax.axvline(0, color="#cccccc", lw=0.8, zorder=0)
     ax.grid(True, alpha=0.3)

@@ -7,7 +7,7 @@ import math
 import time
 from pathlib import Path
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 
 SCHEMA_VERSION = 1
 FRONTIER_PNG = "sweep_frontier.png"
@@ -24,7 +24,7 @@ class SweepReport:
         except ImportError:
             return None, missing
         try:
-            png = frontier_png(self.rows, winner, self.ref_scores)
+            png = frontier_png(self.rows, winner, self.ref_scores, several=len(self.ft_specs) > 1)
         except ImportError:
             return None, missing
         if png is None:
@@ -98,7 +98,7 @@ class SweepReport:
                 "targets": list(o.targets),
                 "margin": o.margin,
                 "metric": o.metric,
-                "min_target_retention": o.min_target_retention,
+                "min_target_retention": self.bar,
                 "tie_tolerance": o.tie_tolerance,
                 "fail_under": o.fail_under,
                 "device": o.device,
@@ -116,6 +116,7 @@ class SweepReport:
                 "from_cache": self.cached_count,
             },
             "references": refs,
+            **({"scoring": self.scoring()} if len(self.ft_specs) > 1 else {}),
             "benchmarks": self.score_doc["benchmarks"],
             "counts": self.score_doc["counts"],
             "candidates": rows,
@@ -134,4 +135,18 @@ class SweepReport:
             },
             "output": {"path": self.out_arg},
             "warnings": self.warnings + [w for w in self.score_doc["warnings"]],
+            **({"notes": list(self.score_doc.get("notes", []))} if len(self.ft_specs) > 1 else {}),
+        }
+
+    def scoring(self) -> dict:
+        """How the candidates were scored with several fine-tunes: against each benchmark's
+        expert, with the targets counted in % retention (one fine-tune: as ``score`` does; the
+        report has no ``scoring`` section, so its fields are those of earlier versions)."""
+        return {
+            "fine_tunes": len(self.ft_cks),
+            "reference": "experts",
+            "retention_includes_targets": True,
+            "experts": {
+                k: {**v, "fine_tune": self.ft_specs[v["expert"]]} for k, v in self.expert_choice.items()
+            },
         }

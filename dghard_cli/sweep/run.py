@@ -9,7 +9,7 @@ user's own evaluation command, within a budget of evaluations.
    directory, evaluated, scored with ``score``'s definitions against the references, and
    deleted unless it is the best so far.
 3. **Choice**: the winner maximises HM among the candidates whose every target keeps at least
-   ``min_target_retention`` % of the fine-tune's gain; candidates within ``tie_tolerance``
+   ``min_target_retention`` % of the fine-tune's gain (when a bar is in force); candidates within ``tie_tolerance``
    points of the best HM are tied and the one *closest to the fine-tune* wins: the smallest
    ‖W_c − W_ref‖ / ‖W_ref − W_base‖ over all floating tensors, with W_ref = FT (several
    fine-tunes: W_base + Σ_i Δ_i, every fine-tune's whole update), measured on the written
@@ -21,8 +21,12 @@ user's own evaluation command, within a budget of evaluations.
    modification times and the evaluation template) lets the same command resume without
    evaluating anything twice.
 
-With several fine-tunes the reference "FT" score of a benchmark is the best score any of the
-fine-tunes reached on it (what an ideal merge would keep), with that fine-tune's stderr.
+With several fine-tunes each benchmark is scored against its own expert
+(:mod:`dghard_cli.score.experts`: the best fine-tune on a target or on a benchmark one improved,
+the worst on a skill of the base), the targets count in % retention, there is no target bar
+unless one is given (:func:`effective_bar`), and the ``merges:`` block of the candidate file
+(:mod:`.merges`) makes one strength entry per registered merge method, then follow-ups for the
+best merge (its density, a LiNeS schedule).
 
 The steps live in their own modules: :mod:`.steps` (references and candidates evaluated),
 :mod:`.cache`, :mod:`.choose` (the winner and the distance to the fine-tune), :mod:`.report`;
@@ -39,7 +43,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.atomic import swap_dir_into_place
 from dghard_cli.io.checkpoint import Checkpoint
@@ -48,9 +52,10 @@ from dghard_cli.io.lock import OutLock
 from dghard_cli.io.output import check_out_path
 from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.lora.source import is_adapter, open_ft
+from dghard_cli.score.experts import expert_reference
 from dghard_cli.score.metrics import score_candidates
 from dghard_cli.score.results import MetricRule, ResultFile, Score
-from dghard_cli.sweep import integrity
+from dghard_cli.sweep import integrity, merges
 from dghard_cli.sweep.cache import Cache, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidate_file import check_entry, load_candidates, parse_candidates
 from dghard_cli.sweep.candidates import (  # noqa: F401 (where the reproduction command writes)
@@ -61,6 +66,7 @@ from dghard_cli.sweep.candidates import (  # noqa: F401 (where the reproduction 
     reproduced_out,
 )
 from dghard_cli.sweep.choose import choose_winner, objective, target_ok
+from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 from dghard_cli.sweep.evaluate import check_template
 from dghard_cli.sweep.lines import bind_entries as bind_lines
 from dghard_cli.sweep.report import FRONTIER_PNG, SCHEMA_VERSION, SweepReport  # noqa: F401 (names of the output)
@@ -69,8 +75,14 @@ from dghard_cli.sweep.steps import EvaluationSteps
 
 SWEEP_REPORT = "sweep_report.json"
 STAGING_SUFFIX = ".dghard-sweep"
-DEFAULT_BUDGET = 16
-DEFAULT_MIN_TARGET_RETENTION = 90.0
+
+
+def effective_bar(min_target_retention: float | None, n_fts: int) -> float | None:
+    """The target bar in force: the one given, else 90 % with one fine-tune and none with several
+    (there the targets are part of % retention, so HM already weighs them)."""
+    if min_target_retention is not None:
+        return min_target_retention
+    return DEFAULT_MIN_TARGET_RETENTION if n_fts == 1 else None
 
 
 @dataclass
@@ -86,7 +98,7 @@ class SweepOptions:
     ft_results: list[Path] = field(default_factory=list)  # FT's, then each extra fine-tune's
     extra_fts: list[str] = field(default_factory=list)  # more fine-tunes of BASE: merge families
     eval_timeout: float | None = None
-    min_target_retention: float = DEFAULT_MIN_TARGET_RETENTION
+    min_target_retention: float | None = None  # None: effective_bar's default
     fail_under: float | None = None
     margin: float | None = None
     metric: list[str] | None = None
@@ -131,6 +143,9 @@ class _Sweep(EvaluationSteps, SweepReport):
         self.cached_count = 0
         self.t = {"write": 0.0, "distance": 0.0, "eval": 0.0}
         self.warnings: list[str] = []
+        # several fine-tunes: each benchmark's expert (score/experts.py)
+        self.expert_ref: ResultFile | dict[str, Score] | None = None
+        self.expert_choice: dict[str, dict] = {}
 
     # -- events
     def emit(self, **ev) -> None:
@@ -149,7 +164,7 @@ class _Sweep(EvaluationSteps, SweepReport):
             ("--min-target-retention", o.min_target_retention),
             ("--tie-tolerance", o.tie_tolerance),
         ):
-            if not math.isfinite(v):
+            if v is not None and not math.isfinite(v):
                 raise InputError(f"{name} must be finite, got {v}")
         if o.tie_tolerance < 0:
             raise InputError(f"--tie-tolerance must be >= 0 points, got {o.tie_tolerance}")
@@ -190,6 +205,7 @@ class _Sweep(EvaluationSteps, SweepReport):
         if self.stage.exists() and not self.stage.is_dir():
             raise InputError(f"{self.stage} exists and is not a directory; remove it")
         n = len(self.ft_cks)
+        self.bar = effective_bar(self.opts.min_target_retention, n)
         self.active: list[FamilyEntry] = []
         self.skipped: list[dict] = []
         for e in self.entries:
@@ -201,6 +217,13 @@ class _Sweep(EvaluationSteps, SweepReport):
                         "unknown-noise cut is undefined on it (SPEC §4)",
                     }
                 )
+            elif e.applies(n) and e.origin == "merges":
+                try:  # one entry per registered method: one that cannot take these inputs is skipped
+                    check_entry(e, n, f"{self.candidates_source}: merges ({e.family})")
+                except InputError as exc:
+                    self.skipped.append({**e.describe(), "skipped": str(exc)})
+                else:
+                    self.active.append(e)
             elif e.applies(n):
                 check_entry(e, n, f"{self.candidates_source}: families[{e.index}] ({e.family})")
                 self.active.append(e)
@@ -246,12 +269,14 @@ class _Sweep(EvaluationSteps, SweepReport):
 
     # -- scoring
     def ft_reference(self) -> ResultFile | dict[str, Score]:
+        """FT's results; several fine-tunes: each benchmark's expert (:mod:`dghard_cli.score.experts`)."""
         if len(self.ft_rfs) == 1:
             return self.ft_rfs[0]
-        best: dict[str, Score] = {}
-        for k in self.base_rf.scores:
-            best[k] = max((rf.scores[k] for rf in self.ft_rfs if k in rf.scores), key=lambda s: s.value)
-        return best
+        if self.expert_ref is None:
+            self.expert_ref, self.expert_choice = expert_reference(
+                self.base_rf, self.ft_rfs, targets=self.opts.targets, margin=self.opts.margin
+            )
+        return self.expert_ref
 
     def rescore(self) -> None:
         refs: list[tuple[str, object]] = [("BASE", self.base_rf)]
@@ -263,6 +288,7 @@ class _Sweep(EvaluationSteps, SweepReport):
             refs + scored,
             targets=self.opts.targets,
             margin=self.opts.margin,
+            targets_in_retention=len(self.ft_rfs) > 1,
         )
         by_name = {c["name"]: c for c in doc["candidates"]}
         self.score_doc = doc
@@ -279,33 +305,75 @@ class _Sweep(EvaluationSteps, SweepReport):
                 "target_retention_mean",
             ):
                 r[k] = cd[k] if cd else None
-            r["feasible"] = bool(cd) and target_ok(cd, self.opts.min_target_retention)
-            r["objective"] = objective(cd, r["distance"], self.opts.min_target_retention)
+            r["feasible"] = bool(cd) and target_ok(cd, self.bar)
+            r["objective"] = objective(cd, r["distance"], self.bar)
 
     # -- the loop
-    def search(self) -> None:
+    def next_in(self, entries: list[FamilyEntry], budget: int) -> tuple[Candidate, str] | None:
+        """The next candidate among ``entries`` (coarse grid, then refinement, as if they had
+        ``budget`` evaluations of their own)."""
         n = len(self.ft_cks)
-        coarse = coarse_order(self.active, n)
-        allot = coarse_allotment(self.cand_budget, len(coarse), len(self.active))
+        coarse = coarse_order(entries, n)
+        allot = coarse_allotment(max(1, budget), len(coarse), len(entries))
         coarse_keys = {c.params for c in coarse}
+        evaluated = {self.cands[r["key"]].params: r["objective"] for r in self.rows}
+        done = sum(1 for r in self.rows if self.cands[r["key"]].params in coarse_keys)
+
+        def rank(e: FamilyEntry) -> tuple | None:
+            objs = [r["objective"] for r in self.rows if r["entry"] == e.index and r["objective"] is not None]
+            return max(objs) if objs else None
+
+        return next_candidate(entries, n, coarse, evaluated, done, allot, rank)
+
+    def search(self) -> None:
+        """The entries' search; with ``merges:`` follow-ups (sweep/merges.py), the strength
+        search first (all but the follow-ups' reserve), then the follow-ups of the best merge,
+        then whatever the strength search has left."""
+        first = list(self.active)
+        reserve = merges.followup_reserve(first, self.cand_budget)
+        later: list[FamilyEntry] | None = None if reserve else []
         while len(self.rows) < self.cand_budget:
-            evaluated = {self.cands[r["key"]].params: r["objective"] for r in self.rows}
-            done = sum(1 for r in self.rows if self.cands[r["key"]].params in coarse_keys)
-
-            def rank(e: FamilyEntry) -> tuple | None:
-                objs = [
-                    r["objective"] for r in self.rows if r["entry"] == e.index and r["objective"] is not None
-                ]
-                return max(objs) if objs else None
-
-            nxt = next_candidate(self.active, n, coarse, evaluated, done, allot, rank)
+            if later is None and (
+                len(self.rows) >= self.cand_budget - reserve
+                or self.next_in(first, self.cand_budget - reserve) is None
+            ):
+                later = self.derive_followups()
+                self.active += later
+                later_budget = self.cand_budget - len(self.rows)
+            nxt = None
+            if later:
+                nxt = self.next_in(later, later_budget)
+                if nxt is not None and nxt[1] == "coarse":  # a follow-up's own grid point
+                    nxt = (nxt[0], "follow-up")
+            if nxt is None:
+                nxt = self.next_in(first, self.cand_budget - reserve)
             if nxt is None:
                 break
             self.evaluate(*nxt)
 
+    def derive_followups(self) -> list[FamilyEntry]:
+        """The follow-up entries of the best merge of a ``merges:`` entry so far (none if none)."""
+        by_index = {e.index: e for e in self.active}
+        rows = [
+            r
+            for r in self.rows
+            if r["objective"] is not None and by_index.get(r["entry"]) and by_index[r["entry"]].followups
+        ]
+        if not rows:
+            return []
+        best = max(rows, key=lambda r: (r["objective"], -r["order"]))
+        start = max(e.index for e in self.active) + 1
+        entries, notes = merges.followups(
+            by_index[best["entry"]], self.cands[best["key"]], start, self.base_ck, self.ft_cks[0]
+        )
+        self.warnings += notes
+        for e in entries:
+            self.emit(kind="info", message=f"{e.origin}")
+        return entries
+
     # -- output
     def finish(self) -> dict:
-        winner, reason = choose_winner(self.rows, self.opts.min_target_retention, self.opts.tie_tolerance)
+        winner, reason = choose_winner(self.rows, self.bar, self.opts.tie_tolerance)
         shutil.rmtree(self.stage / "candidate", ignore_errors=True)
         (self.stage / "candidate.key").unlink(missing_ok=True)
         final = self.stage / "final"

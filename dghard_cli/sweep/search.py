@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dghard_cli.sweep.candidates import Candidate, FamilyEntry, make_candidate, round_sig
+from dghard_cli.sweep.candidates import Candidate, FamilyEntry, round_sig
+from dghard_cli.sweep.family_dispatch import make_candidate
 
 #: 2 − φ: where golden-section search puts its next probe inside the wider side.
 GOLDEN = (3.0 - math.sqrt(5.0)) / 2.0

@@ -10,7 +10,7 @@ import shutil
 import time
 from pathlib import Path
 
-from dghard_cli import __version__
+from dghard_cli._version import __version__
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
@@ -21,15 +21,10 @@ from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.score.results import ResultFile, read_results
 from dghard_cli.sweep import integrity
 from dghard_cli.sweep.cache import digest, dir_bytes, input_identity, write_json
-from dghard_cli.sweep.candidates import (
-    Candidate,
-    reproduce_argv,
-    reproduced_out,
-    shell_command,
-    write_candidate,
-)
+from dghard_cli.sweep.candidates import Candidate, reproduced_out, shell_command
 from dghard_cli.sweep.choose import choose_winner, update_distance
 from dghard_cli.sweep.evaluate import locate_results, run_command
+from dghard_cli.sweep.family_dispatch import reproduce_argv, write_candidate
 
 
 class EvaluationSteps:
@@ -286,7 +281,7 @@ class EvaluationSteps:
             row=row,
             order=order,
             budget=self.cand_budget,
-            min_target_retention=self.opts.min_target_retention,
+            min_target_retention=self.bar,
         )
 
     def keep_or_drop(self, key: str, cached: bool) -> None:
@@ -294,7 +289,7 @@ class EvaluationSteps:
         cdir = self.stage / "candidate"
         if cached or not cdir.exists():
             return
-        winner, _ = choose_winner(self.rows, self.opts.min_target_retention, self.opts.tie_tolerance)
+        winner, _ = choose_winner(self.rows, self.bar, self.opts.tie_tolerance)
         if winner is not None and winner["key"] == key:
             wdir = self.stage / "winner"
             shutil.rmtree(wdir, ignore_errors=True)

@@ -4,7 +4,7 @@ dtype, the parameter scopes (a model's own, the slice's, the top level) and how 
 evaluates a setting for one tensor (gradients over the layers, ``filter``/``value`` entries).
 
 Relies only on :class:`~dghard_cli.errors.InputError`; the per-method mapping is in
-:mod:`dghard_cli.methods.mergekit_mapping`, and :mod:`dghard_cli.methods.mergekit_recipe`
+:mod:`dghard_cli.recipes.mergekit_mapping`, and :mod:`dghard_cli.recipes.mergekit`
 (``translate``) is the public entry.
 """
 

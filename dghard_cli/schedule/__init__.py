@@ -23,44 +23,8 @@ Precision: the wrapped method writes its result in float64, the schedule is appl
 
 Layer depth comes from the tensor names and config.json (:mod:`dghard_cli.architecture`).
 
-The code is in three modules: :mod:`dghard_cli.methods.schedule_spec` (the schedule as given:
-parsing ``A,B``, the per-group form, YAML, recipe keys), :mod:`dghard_cli.methods.schedule_bind`
-(λ per place of one model, the plan's jobs annotated) and :mod:`dghard_cli.methods.scheduled_op`
-(the wrapper that applies it while tensors stream). This module re-exports what the rest of the
-package uses.
+The code is in three modules: :mod:`dghard_cli.schedule.spec` (the schedule as given:
+parsing ``A,B``, the per-group form, YAML, recipe keys, and its strengths for a layer stack),
+:mod:`dghard_cli.schedule.bind` (the schedule bound to one checkpoint: its depth, the plan's jobs
+annotated) and :mod:`dghard_cli.schedule.op` (the wrapper that applies it while tensors stream).
 """
-
-from __future__ import annotations
-
-from dghard_cli.methods.schedule_bind import (
-    bind,
-    checkpoint_depth,
-    schedule_problem,
-    scheduled_eligibility,
-)
-from dghard_cli.methods.schedule_spec import (
-    LayerSchedule,
-    layer_strengths_value,
-    lines_value,
-    parse_layer_strengths,
-    parse_lines,
-    schedule_from_options,
-    schedule_from_recipe,
-)
-from dghard_cli.methods.scheduled_op import ScheduledOp, wrap
-
-__all__ = [
-    "LayerSchedule",
-    "ScheduledOp",
-    "bind",
-    "checkpoint_depth",
-    "layer_strengths_value",
-    "lines_value",
-    "parse_layer_strengths",
-    "parse_lines",
-    "schedule_from_options",
-    "schedule_from_recipe",
-    "schedule_problem",
-    "scheduled_eligibility",
-    "wrap",
-]

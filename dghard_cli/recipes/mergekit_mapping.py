@@ -3,14 +3,14 @@ or task arithmetic over normalized weights) and the generalized task arithmetic 
 (``task_arithmetic``, ``ties``, ``dare_*``, ``breadcrumbs*``, ``della*``) with mergekit's
 defaults for ``normalize``, ``rescale``, ``density``, ``gamma``, ``epsilon`` and ``lambda``.
 
-Relies on :mod:`dghard_cli.methods.mergekit_config` for the parameter scopes and their
-evaluation; :mod:`dghard_cli.methods.mergekit_recipe` (``translate``) is the public entry.
+Relies on :mod:`dghard_cli.recipes.mergekit_config` for the parameter scopes and their
+evaluation; :mod:`dghard_cli.recipes.mergekit` (``translate``) is the public entry.
 """
 
 from __future__ import annotations
 
 from dghard_cli.errors import InputError
-from dghard_cli.methods.mergekit_config import (
+from dghard_cli.recipes.mergekit_config import (
     Model,
     Scope,
     Where,

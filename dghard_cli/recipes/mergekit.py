@@ -2,7 +2,7 @@
 
 :func:`translate` is a pure function from a mergekit 0.1.5 configuration (the dict
 ``yaml.safe_load`` gives for a ``mergekit-yaml`` file) to a dghard recipe dict (the format of
-:mod:`dghard_cli.methods.recipe`), with the same numbers: every mergekit default is filled in
+:mod:`dghard_cli.recipes.recipe`), with the same numbers: every mergekit default is filled in
 explicitly (``density`` 1, ``lambda`` 1, ``normalize`` per method, ...), so a recipe means what
 it meant under mergekit. Parameters that vary by layer or tensor — gradients (lists),
 ``filter``/``value`` entries, one density per model — are evaluated per tensor as mergekit
@@ -30,16 +30,18 @@ Method mapping (mergekit → dghard):
 Model references are resolved as mergekit resolves them (a local path relative to the
 current directory, else a Hub id; ``name@revision`` picks a revision).
 
-The code is in three modules: :mod:`dghard_cli.methods.mergekit_config` (reading the
-configuration and evaluating its parameters for a tensor), :mod:`dghard_cli.methods.mergekit_mapping`
+The code is in three modules: :mod:`dghard_cli.recipes.mergekit_config` (reading the
+configuration and evaluating its parameters for a tensor), :mod:`dghard_cli.recipes.mergekit_mapping`
 (``linear`` and the task-arithmetic family mapped onto dghard's methods) and this one
 (:func:`translate`, :class:`TensorParameters`).
 """
 
 from __future__ import annotations
 
+from dghard_cli.architecture import layer_index
 from dghard_cli.errors import InputError
-from dghard_cli.methods.mergekit_config import (
+from dghard_cli.methods import registry
+from dghard_cli.recipes.mergekit_config import (
     Where,
     _bool,
     _check_all,
@@ -54,7 +56,7 @@ from dghard_cli.methods.mergekit_config import (
     slice_layers,
     varies,
 )
-from dghard_cli.methods.mergekit_mapping import GTA, _linear, _task_vectors
+from dghard_cli.recipes.mergekit_mapping import GTA, _linear, _task_vectors
 
 __all__ = ["TensorParameters", "is_mergekit", "translate", "varies"]
 
@@ -148,9 +150,6 @@ class TensorParameters:
 
     def __call__(self, name: str, num_layers: int) -> dict:
         """The method parameter values (by parameter name, see the registry) for tensor ``name``."""
-        from dghard_cli.architecture import layer_index
-        from dghard_cli.methods import registry
-
         i = layer_index(name)
         t = 0.0 if i is None else (i / (num_layers - 1) if num_layers > 1 else 1.0)
         r = translate(self.doc, f"{self.where} (tensor {name!r})", Where(name, t))

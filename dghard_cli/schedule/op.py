@@ -3,8 +3,8 @@ method's per-tensor operation (or none) and writes ``W_base + λ(ℓ)·(W_op −
 
 The wrapped operation writes in float64, the schedule is applied in float64 and cast to the
 output dtype once. Relies on the ops API of :mod:`dghard_cli.engine.ops` and on the λ that
-:func:`dghard_cli.methods.schedule_bind.bind` put on each job; :mod:`dghard_cli.methods.schedule`
-is the public entry.
+:func:`dghard_cli.schedule.bind.bind` put on each job; :mod:`dghard_cli.schedule`
+describes the schedule itself.
 """
 
 from __future__ import annotations

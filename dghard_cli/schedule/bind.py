@@ -1,23 +1,19 @@
-"""The layer-strength schedule bound to one model: λ for every place (:class:`Strengths`), and
-the plan's jobs annotated with their block and λ (:func:`bind`).
+"""The layer-strength schedule bound to one checkpoint: its layer stack, whether a schedule can
+bind to a pair, and the plan's jobs annotated with their block and λ (:func:`bind`).
 
 Relies on :mod:`dghard_cli.architecture` (a tensor's place, the model's depth), the plan types
-of :mod:`dghard_cli.engine.plan` and the checkpoint reader. The schedule as given lives in
-:mod:`dghard_cli.methods.schedule_spec`; :mod:`dghard_cli.methods.schedule` is the public entry.
+of :mod:`dghard_cli.engine.plan` and the checkpoint reader. The schedule as given, and its λ
+for every place of a layer stack (:class:`~dghard_cli.schedule.spec.Strengths`), live in
+:mod:`dghard_cli.schedule.spec`; :mod:`dghard_cli.schedule` describes the schedule itself.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from dghard_cli.architecture import (
-    EMBED,
-    HEAD,
     VOCAB_EMBEDDING,
     ModelDepth,
-    Place,
     model_depth,
     tensor_place,
 )
@@ -26,82 +22,13 @@ from dghard_cli.engine.plan import Eligibility, Plan, PolicyOptions, TensorJob
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
-
-if TYPE_CHECKING:
-    from dghard_cli.methods.schedule_spec import LayerSchedule
+from dghard_cli.schedule.spec import LayerSchedule, Strengths
 
 #: Actions the schedule scales: the method's tensors and, under a schedule, the rest of the
 #: floating tensors the spectral methods would pass through (norms, biases, small, ≥3-D).
 SCALABLE_REASONS = ("1-d", "small", "vector")
 
 # -- bound to a model ------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Strengths:
-    """λ for every place of one model: the embeddings, each block, the head."""
-
-    embed: float
-    layers: tuple[float, ...]
-    head: float
-    depth: ModelDepth
-    schedule: LayerSchedule
-
-    def at(self, place: Place) -> float:
-        if place == EMBED:
-            return self.embed
-        if place == HEAD:
-            return self.head
-        return self.layers[int(place)]
-
-    def for_tensor(self, name: str) -> tuple[Place, float]:
-        place = tensor_place(name)
-        if place is None:
-            raise InputError(_unknown(name))
-        if isinstance(place, int) and not 0 <= place < self.depth.num_layers:
-            raise InputError(
-                f"tensor {name!r} is in block {place}, but the model has {self.depth.num_layers} blocks"
-            )
-        return place, self.at(place)
-
-    def line(self) -> str:
-        """The compact per-layer line of the terminal summary (equal neighbours merged)."""
-        parts = [f"embed {_short(self.embed)}"]
-        i, n = 0, len(self.layers)
-        blocks = []
-        while i < n:
-            j = i
-            while j + 1 < n and self.layers[j + 1] == self.layers[i]:
-                j += 1
-            blocks.append(f"{i if i == j else f'{i}-{j}'}: {_short(self.layers[i])}")
-            i = j + 1
-        parts.append(", ".join(blocks))
-        parts.append(f"head {_short(self.head)}")
-        return " | ".join(parts)
-
-    def report(self) -> dict:
-        """The report's ``layer_strengths`` section."""
-        doc: dict = {"form": self.schedule.form}
-        if self.schedule.form == "lines":
-            doc["alpha"], doc["beta"] = float(self.schedule.alpha), float(self.schedule.beta)  # type: ignore[arg-type]
-            doc["formula"] = "lambda(l) = alpha + beta * l / (L - 1); embed: alpha; head: alpha + beta"
-        doc.update(
-            {
-                "option": self.schedule.argv(),
-                "num_layers": self.depth.num_layers,
-                "num_layers_from": self.depth.source,
-                "stack": self.depth.stack,
-                "embed": self.embed,
-                "layers": list(self.layers),
-                "head": self.head,
-                "summary": self.line(),
-            }
-        )
-        return doc
-
-
-def _short(v: float) -> str:
-    return f"{v:.4g}"
 
 
 def checkpoint_depth(ck: Checkpoint) -> ModelDepth:

@@ -2,10 +2,9 @@
 items or a YAML file of them, a recipe's ``lines:`` / ``layer_strengths:`` keys.
 
 Holds :class:`LayerSchedule` (the schedule before it meets a model), its parsers, and the
-per-group coverage check that turns it into :class:`~dghard_cli.methods.schedule_bind.Strengths`
-for a model's layer stack. Relies on :mod:`dghard_cli.architecture` for the group names and
-block depth, and on :mod:`dghard_cli.methods.schedule_bind` for ``Strengths``.
-:mod:`dghard_cli.methods.schedule` is the public entry and describes the schedule itself.
+per-group coverage check that turns it into :class:`Strengths` (λ for every place) for a
+model's layer stack. Relies on :mod:`dghard_cli.architecture` for the group names and block
+depth; :mod:`dghard_cli.schedule` describes the schedule itself.
 """
 
 from __future__ import annotations
@@ -17,14 +16,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from dghard_cli.architecture import EMBED, HEAD, ModelDepth, format_ranges, place_depth
+from dghard_cli.architecture import EMBED, HEAD, ModelDepth, Place, format_ranges, place_depth, tensor_place
+from dghard_cli.architecture import unknown_place_message as _unknown
 from dghard_cli.errors import InputError
-from dghard_cli.methods.schedule_bind import Strengths
 
 #: A group of the per-group form: ``"embed"``, ``"head"`` or an inclusive block range.
 GroupKey = str | tuple[int, int]
 
 MAX_STRENGTHS_FILE_BYTES = 1024 * 1024
+
+#: The two spellings on the command line (the ``lines`` and ``layer_strengths`` parameters of
+#: :mod:`dghard_cli.methods.declare`).
+LINES_FLAG, LAYER_STRENGTHS_FLAG = "--lines", "--layer-strengths"
 
 # -- the schedule as given -----------------------------------------------------------------------
 
@@ -83,9 +86,7 @@ class LayerSchedule:
 
     def argv(self) -> list[str]:
         """The command-line arguments that give this schedule."""
-        from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
-
-        return [(LINES if self.form == "lines" else LAYER_STRENGTHS).cli_flag, self.spec]
+        return [LINES_FLAG if self.form == "lines" else LAYER_STRENGTHS_FLAG, self.spec]
 
     def describe(self) -> dict:
         """For the report's ``parameters`` (and the run's fingerprint)."""
@@ -204,7 +205,8 @@ def layer_strengths_from_mapping(doc: object, what: str) -> LayerSchedule:
 
 
 def load_layer_strengths(path: Path) -> LayerSchedule:
-    from dghard_cli.methods.recipe import read_yaml_file
+    # here, not at the top: the file reader loads torch (io.checkpoint), declaring the parameter does not
+    from dghard_cli.io.yaml_file import read_yaml_file
 
     what = f"--layer-strengths {path}"
     doc = read_yaml_file(path, what, MAX_STRENGTHS_FILE_BYTES)
@@ -298,3 +300,73 @@ def _resolve_groups(schedule: LayerSchedule, depth: ModelDepth) -> Strengths:
         key = next(k for k in values if not isinstance(k, str) and k[0] <= i <= k[1])
         layers.append(values[key])
     return Strengths(embed=embed, layers=tuple(layers), head=head, depth=depth, schedule=schedule)
+
+
+# -- the schedule for one layer stack ---------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Strengths:
+    """λ for every place of one model: the embeddings, each block, the head."""
+
+    embed: float
+    layers: tuple[float, ...]
+    head: float
+    depth: ModelDepth
+    schedule: LayerSchedule
+
+    def at(self, place: Place) -> float:
+        if place == EMBED:
+            return self.embed
+        if place == HEAD:
+            return self.head
+        return self.layers[int(place)]
+
+    def for_tensor(self, name: str) -> tuple[Place, float]:
+        place = tensor_place(name)
+        if place is None:
+            raise InputError(_unknown(name))
+        if isinstance(place, int) and not 0 <= place < self.depth.num_layers:
+            raise InputError(
+                f"tensor {name!r} is in block {place}, but the model has {self.depth.num_layers} blocks"
+            )
+        return place, self.at(place)
+
+    def line(self) -> str:
+        """The compact per-layer line of the terminal summary (equal neighbours merged)."""
+        parts = [f"embed {_short(self.embed)}"]
+        i, n = 0, len(self.layers)
+        blocks = []
+        while i < n:
+            j = i
+            while j + 1 < n and self.layers[j + 1] == self.layers[i]:
+                j += 1
+            blocks.append(f"{i if i == j else f'{i}-{j}'}: {_short(self.layers[i])}")
+            i = j + 1
+        parts.append(", ".join(blocks))
+        parts.append(f"head {_short(self.head)}")
+        return " | ".join(parts)
+
+    def report(self) -> dict:
+        """The report's ``layer_strengths`` section."""
+        doc: dict = {"form": self.schedule.form}
+        if self.schedule.form == "lines":
+            doc["alpha"], doc["beta"] = float(self.schedule.alpha), float(self.schedule.beta)  # type: ignore[arg-type]
+            doc["formula"] = "lambda(l) = alpha + beta * l / (L - 1); embed: alpha; head: alpha + beta"
+        doc.update(
+            {
+                "option": self.schedule.argv(),
+                "num_layers": self.depth.num_layers,
+                "num_layers_from": self.depth.source,
+                "stack": self.depth.stack,
+                "embed": self.embed,
+                "layers": list(self.layers),
+                "head": self.head,
+                "summary": self.line(),
+            }
+        )
+        return doc
+
+
+def _short(v: float) -> str:
+    return f"{v:.4g}"

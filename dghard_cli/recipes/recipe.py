@@ -13,7 +13,7 @@ A recipe holds the same things as the command line (see the README for the forma
     out: ../out/ties
 
 A mergekit recipe (a ``merge_method`` key) is translated first by
-:func:`dghard_cli.methods.mergekit_recipe.translate`; its relative model paths are resolved
+:func:`dghard_cli.recipes.mergekit.translate`; its relative model paths are resolved
 against the current directory, as mergekit resolves them, and OUT comes from ``--out``.
 
 Read with ``yaml.safe_load`` only. Every key is checked (unknown key, wrong type, missing
@@ -29,12 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dghard_cli.errors import InputError
-from dghard_cli.io import files
 from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.hub import is_hub_id
-from dghard_cli.io.limits import parse_yaml
+from dghard_cli.io.yaml_file import read_yaml_file
 from dghard_cli.methods import registry
-from dghard_cli.methods.mergekit_recipe import TensorParameters, is_mergekit, translate, varies
+from dghard_cli.recipes.mergekit import TensorParameters, is_mergekit, translate, varies
 
 MAX_RECIPE_BYTES = 1024 * 1024
 
@@ -157,38 +156,6 @@ def _model(entry: object, where: str, root: Path) -> ModelRef:
         entry.get("revision"),
         None if d is None else float(d),
     )
-
-
-def read_yaml_file(path: Path, where: str, limit: int) -> object:
-    """A small YAML file read with ``yaml.safe_load`` only (no tag ever runs); a one-line
-    InputError naming ``where`` when it is missing, not a regular file (a FIFO, a device), too
-    large, not UTF-8, not YAML, or when its aliases expand past the limits of
-    :func:`dghard_cli.io.limits.parse_yaml` (an alias bomb)."""
-    import yaml
-
-    if not path_exists(path) and not os.path.lexists(path):
-        raise InputError(f"{where}: no such file")
-    size = f"{limit >> 20} MiB" if limit % (1 << 20) == 0 else f"{limit} bytes"
-    with files.open_input(path, what="YAML file", roots=None) as fh:
-        if fh.size > limit:
-            raise InputError(f"{where}: larger than {size}; it should be a short YAML file")
-        try:
-            data = fh.read(limit + 1)
-        except OSError as exc:
-            raise InputError(f"{where}: cannot read ({exc.strerror})") from None
-    if len(data) > limit:
-        raise InputError(f"{where}: larger than {size}; it should be a short YAML file")
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InputError(f"{where}: cannot read as UTF-8 text ({exc})") from None
-    try:
-        return parse_yaml(text, where)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise InputError(f"{where}: not valid YAML{at} ({problem})") from None
 
 
 def load_recipe(path: str | Path) -> Recipe:

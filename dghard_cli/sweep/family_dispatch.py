@@ -1,0 +1,133 @@
+"""A candidate of any family of ``dghard sweep`` made from its entry at an axis value
+(:func:`make_candidate`), its reproduction command line (:func:`reproduce_argv`) and written
+(:func:`write_candidate`): the one-axis families here, the two-dimensional ``lines`` family by
+:mod:`dghard_cli.sweep.lines`. What a family, an entry and a candidate are is in
+:mod:`dghard_cli.sweep.candidates`.
+
+Every candidate is written by the library function of its command (``repair`` or ``merge``),
+so it is byte for byte what the printed command writes.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from dghard_cli.engine.runner import RunOptions
+from dghard_cli.errors import InputError
+from dghard_cli.lora.output import LoraOutputOptions
+from dghard_cli.merge import MergeOptions, merge, resolve_parameters
+from dghard_cli.methods import registry
+from dghard_cli.methods.declare import LINES
+from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.spectral.spectrum import ShrinkSpec
+from dghard_cli.sweep import lines
+from dghard_cli.sweep.candidates import Candidate, FamilyEntry, _fmt, is_number
+
+
+def make_candidate(entry: FamilyEntry, value: float, *, n_fts: int, where: str = "candidate") -> Candidate:
+    """The candidate of ``entry`` at axis value ``value``: every parameter explicit and checked."""
+    if entry.family == "lines":  # value: an (α, β) pair or a per-group point
+        return lines.make_candidate(entry, value, n_fts=n_fts, where=where)  # type: ignore[arg-type]
+    try:
+        return _make_candidate(entry, value, n_fts)
+    except InputError as exc:
+        raise InputError(f"{where}: {exc}") from None
+
+
+def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
+    kind = entry.kind
+    axis = entry.axis or kind.axes[0]
+    value = float(value)
+    vals = {**entry.fixed, axis: value}
+    if kind.command == "repair":
+        shrink = entry.family
+        spec = ShrinkSpec(
+            shrink=shrink,
+            scale=float(vals.get("scale", 1.0)),
+            noise=str(vals.get("noise", "known" if "sigma" in vals else "median")),
+            sigma=None if vals.get("sigma") is None else float(vals["sigma"]),
+            a=float(vals.get("a", 1.0)),
+            b=float(vals.get("b", 0.0)),
+        )
+        p = {"shrink": spec.shrink, "scale": spec.scale, "noise": spec.noise}
+        if spec.noise == "known":
+            p["sigma"] = spec.sigma
+        if shrink == "twoknob":
+            p["a"], p["b"] = spec.a, spec.b
+    else:
+        weights = vals.get("weights")
+        if weights is not None and (not isinstance(weights, list) or not all(is_number(w) for w in weights)):
+            raise InputError("'weights' must be a list of numbers")
+        given = {q.name: vals.get(q.name) for q in registry.scalar_params()}
+        given["weights"] = None if weights is None else [float(w) for w in weights]
+        kwargs, extra = registry.options_values(given)
+        p = resolve_parameters(MergeOptions(method=entry.family, extra=extra, **kwargs), n_fts)
+        carried = {"method", *(q.name for q in registry.scalar_params())}
+        p = {k: v for k, v in p.items() if k in carried}
+    params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in p.items()))
+    return Candidate(
+        entry=entry.index, family=entry.family, command=kind.command, axis=axis, value=value, params=params
+    )
+
+
+def reproduce_argv(
+    cand: Candidate, base: str, fts: list[str], out: str, device: str, *, merge_adapters: bool = False
+) -> list[str]:
+    """The one ``dghard repair``/``dghard merge`` command line that writes this candidate
+    (``merge_adapters``: the fine-tunes are LoRA adapters, written as the full merged checkpoint)."""
+    if cand.family == "lines":
+        return lines.reproduce_argv(cand, base, fts[0], out, device) + (["--merge"] if merge_adapters else [])
+    p = cand.param_dict
+    dev = ["--device", device] if device != "auto" else []
+    dev = (["--merge"] if merge_adapters else []) + dev
+    if cand.command == "repair":
+        argv = ["dghard", "repair", base, fts[0], out, "--shrink", p["shrink"], "--scale", _fmt(p["scale"])]
+        if p["shrink"] == "twoknob":
+            argv += ["--a", _fmt(p["a"]), "--b", _fmt(p["b"])]
+        if p["noise"] == "known":
+            argv += ["--noise", "known", "--sigma", _fmt(p["sigma"])]
+        return argv + dev
+    argv = ["dghard", "merge", "--method", p["method"]]
+    for q in registry.scalar_params():
+        if q.name in p:
+            argv += [q.cli_flag, _fmt(p[q.name])]
+    if "lines" in p:  # a merge under a LiNeS schedule (sweep/merges.py follow-up)
+        argv += [LINES.cli_flag, f"{_fmt(p['lines'][0])},{_fmt(p['lines'][1])}"]
+    return argv + [base, *fts, "--out", out] + dev
+
+
+def write_candidate(
+    cand: Candidate,
+    base: str,
+    fts: list[str],
+    out: Path,
+    *,
+    device: str,
+    argv: list[str],
+    report_out: str | None = None,
+    merge_adapters: bool = False,
+) -> dict:
+    """Write ``cand`` into ``out`` with the command's own library function; returns its report.
+
+    ``report_out``: the output path its report names (the sweep's OUT, where the winner is
+    moved); None: ``out``.
+    """
+    if cand.family == "lines":
+        return lines.write_candidate(cand, base, fts[0], out, device=device, argv=argv, report_out=report_out)
+    p = cand.param_dict
+    run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
+    lora = LoraOutputOptions(merge=merge_adapters)
+    if cand.command == "repair":
+        spec = ShrinkSpec(
+            shrink=p["shrink"],
+            scale=p["scale"],
+            noise=p["noise"],
+            sigma=p.get("sigma"),
+            a=p.get("a", 1.0),
+            b=p.get("b", 0.0),
+        )
+        return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
+    kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
+    if "lines" in p:  # the schedule as --lines builds it
+        kwargs[LINES.attr] = LINES.build([float(p["lines"][0]), float(p["lines"][1])])
+    return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, lora=lora, **kwargs))

@@ -1,0 +1,223 @@
+"""Merges as first-class candidates of ``dghard sweep``: the candidate file's ``merges:`` block.
+
+With several fine-tunes the default candidate set is not a fixed list of merge families but
+one rule over the merge-method registry (:mod:`dghard_cli.methods.registry`):
+
+1. **Strength**: every registered method that declares ``sweep_axes``, merges several
+   fine-tunes, runs no calibration and is not in ``exclude`` gets one entry on its *strength
+   axis* — ``lambda`` (the scale of the merged update) where the method sweeps it, else its
+   first sweep axis (``alpha`` of a method that declares ``sweep_axes=("alpha", ...)``) — with
+   the block's ``grid`` (small strengths first) and ``range``, clipped to the axis's declared
+   range. A method added to the registry with ``sweep_axes`` joins without any change here.
+2. **Follow-ups**, once the strength search has had its share of the budget (all but a
+   quarter of the candidate evaluations) or has nothing left to try: for the best merge so
+   far, (a) its ``density`` (when its method sweeps one), the strength fixed at the best value,
+   on the block's ``density`` grid, and (b) a LiNeS schedule ``dghard merge … --lines α,β``
+   over that merge (the schedule multiplies the merged update: λ(ℓ) = α + β·ℓ/(L−1) on top of
+   the strength found), from the block's ``lines`` pairs, refined by the compass search of the
+   ``lines`` family. The follow-ups are chosen from the results alone, so a resumed sweep
+   derives the same ones.
+
+Relies on :mod:`dghard_cli.sweep.candidates` (entries, kinds) and
+:mod:`dghard_cli.sweep.lines_candidates` (the schedule entry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dghard_cli.errors import InputError
+from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.methods import registry
+from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, Candidate, FamilyEntry
+from dghard_cli.sweep.candidates import is_number as _num
+
+BLOCK_KEYS = ("grid", "range", "exclude", "density", "lines", "tolerance")
+#: The lines follow-up's (α, β) ranges: shallow layers from 0 to the strength found, the deepest
+#: up to 3× it.
+LINES_RANGE = {"alpha": (0.0, 1.0), "beta": (0.0, 2.0)}
+#: The share of the candidate budget kept for the follow-ups.
+FOLLOWUP_SHARE = 4  # a quarter
+
+
+@dataclass
+class MergesBlock:
+    """The ``merges:`` block of a candidate file."""
+
+    grid: list[float]
+    range: tuple[float, float]
+    exclude: list[str] = field(default_factory=list)
+    density: list[float] = field(default_factory=list)
+    lines: list[tuple[float, float]] = field(default_factory=list)
+    tolerance: float = DEFAULT_TOLERANCE
+
+
+def strength_axis(method: registry.MergeMethod) -> str:
+    """The axis along which a method's merge gets stronger: ``lambda`` where it is swept, else
+    the method's first sweep axis."""
+    return "lambda" if "lambda" in method.sweep_axes else method.sweep_axes[0]
+
+
+def swept_methods(exclude: list[str]) -> list[registry.MergeMethod]:
+    """The registered methods the block makes entries of, in registry order."""
+    return [
+        m
+        for m in registry.methods().values()
+        if m.sweep_axes and m.fine_tunes != "one" and not m.calibrates and m.name not in exclude
+    ]
+
+
+def _numbers(raw: object, at: str, what: str) -> list[float]:
+    if _num(raw):
+        raw = [raw]
+    if not isinstance(raw, list) or not all(_num(x) for x in raw):
+        raise InputError(f"{at}: '{what}' must be a list of numbers")
+    return [float(x) for x in raw]
+
+
+def parse_block(raw: object, where: str) -> MergesBlock:
+    """Validate the ``merges:`` block; InputError naming the file and key otherwise."""
+    at = f"{where}: merges"
+    if not isinstance(raw, dict):
+        raise InputError(f"{at}: expected a mapping (keys: {', '.join(BLOCK_KEYS)})")
+    for key in raw:
+        if key not in BLOCK_KEYS:
+            raise InputError(f"{at}: unknown key {key!r} (known keys: {', '.join(BLOCK_KEYS)})")
+    grid = _numbers(raw.get("grid"), at, "grid")
+    if not grid:
+        raise InputError(f"{at}: 'grid' must be a non-empty list of strengths")
+    rng = raw.get("range")
+    if not isinstance(rng, list) or len(rng) != 2 or not all(_num(x) for x in rng) or not rng[0] < rng[1]:
+        raise InputError(f"{at}: 'range' must be [low, high] with low < high, got {rng!r}")
+    lo, hi = float(rng[0]), float(rng[1])
+    for g in grid:
+        if not lo <= g <= hi:
+            raise InputError(f"{at}: grid value {g:g} lies outside range [{lo:g}, {hi:g}]")
+    exclude = raw.get("exclude", []) or []
+    known = [m.name for m in registry.methods().values()]
+    if not isinstance(exclude, list) or not all(isinstance(x, str) for x in exclude):
+        raise InputError(f"{at}: 'exclude' must be a list of merge method names")
+    for x in exclude:
+        if x not in known:
+            raise InputError(f"{at}: exclude {x!r} is not a merge method ({', '.join(known)})")
+    density = _numbers(raw.get("density", []) or [], at, "density")
+    for d in density:
+        if not 0 < d <= 1:
+            raise InputError(f"{at}: density {d:g} must be in (0, 1]")
+    pairs_raw = raw.get("lines", []) or []
+    if not isinstance(pairs_raw, list):
+        raise InputError(f"{at}: 'lines' must be a list of [alpha, beta] pairs")
+    pairs = []
+    for p in pairs_raw:
+        if not isinstance(p, list) or len(p) != 2 or not all(_num(x) for x in p):
+            raise InputError(f"{at}: lines point {p!r} is not a pair [alpha, beta]")
+        a, b = float(p[0]), float(p[1])
+        ar, br = LINES_RANGE["alpha"], LINES_RANGE["beta"]
+        if not (ar[0] <= a <= ar[1] and br[0] <= b <= br[1]):
+            raise InputError(
+                f"{at}: lines point [{a:g}, {b:g}] lies outside alpha [{ar[0]:g}, {ar[1]:g}], "
+                f"beta [{br[0]:g}, {br[1]:g}]"
+            )
+        pairs.append((a, b))
+    tol = raw.get("tolerance", DEFAULT_TOLERANCE)
+    if not _num(tol) or not 0 < float(tol) <= 1:
+        raise InputError(f"{at}: 'tolerance' must be a number in (0, 1] (share of the range)")
+    return MergesBlock(grid, (lo, hi), list(exclude), density, pairs, float(tol))
+
+
+def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
+    """One strength entry per swept method (indices from ``start``), checked when the number of
+    fine-tunes is known (a method needing more fine-tunes than given is then skipped)."""
+    out: list[FamilyEntry] = []
+    par = registry.params()
+    for m in swept_methods(block.exclude):
+        axis = strength_axis(m)
+        own = par[axis].sweep_range or block.range
+        lo, hi = max(block.range[0], own[0]), min(block.range[1], own[1])
+        if not lo < hi:
+            continue  # the method's strength axis does not meet the block's range
+        grid = [g for g in block.grid if lo <= g <= hi] or [lo + (hi - lo) / 2]
+        out.append(
+            FamilyEntry(
+                family=m.name,
+                grid=grid,
+                axis=axis,
+                range=(lo, hi),
+                log=bool(par[axis].sweep_log) and lo > 0,
+                tolerance=block.tolerance,
+                fixed={},
+                fine_tunes="several",
+                index=start + len(out),
+                origin="merges",
+                followups={"density": list(block.density), "lines": list(block.lines)},
+            )
+        )
+    return out
+
+
+def followup_reserve(entries: list[FamilyEntry], candidate_budget: int) -> int:
+    """Evaluations kept for the follow-ups (0 when no entry has any)."""
+    if not any(e.followups and (e.followups["density"] or e.followups["lines"]) for e in entries):
+        return 0
+    return candidate_budget // FOLLOWUP_SHARE
+
+
+def followups(
+    entry: FamilyEntry, cand: Candidate, start: int, base: Checkpoint, ft: Checkpoint
+) -> tuple[list[FamilyEntry], list[str]]:
+    """The follow-up entries of the best merge ``cand`` (of ``entry``), indices from ``start``,
+    and why one was left out (a schedule that cannot bind to the checkpoint)."""
+    from dghard_cli.schedule.bind import checkpoint_depth, schedule_problem
+    from dghard_cli.sweep.lines_candidates import LinesEntry
+
+    out: list[FamilyEntry] = []
+    notes: list[str] = []
+    f = entry.followups or {}
+    kind = entry.kind
+    params = dict(cand.params)
+    if f.get("density") and "density" in kind.axes and entry.axis != "density" and entry.axis in kind.fixed:
+        lo, hi = kind.ranges["density"]
+        grid = [d for d in f["density"] if lo <= d <= hi]
+        if grid:
+            fixed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in entry.fixed.items()}
+            fixed[entry.axis] = cand.value
+            out.append(
+                FamilyEntry(
+                    family=entry.family,
+                    grid=grid,
+                    axis="density",
+                    range=(lo, hi),
+                    log=lo > 0,
+                    tolerance=entry.tolerance,
+                    fixed=fixed,
+                    fine_tunes="several",
+                    index=start,
+                    origin=f"follow-up: density of {cand.label}",
+                )
+            )
+    if f.get("lines"):
+        problem = schedule_problem(base, ft)
+        if problem is not None:
+            notes.append(f"the lines follow-up was skipped: {problem}")
+        else:
+            out.append(
+                LinesEntry(
+                    family="lines",
+                    grid=list(f["lines"]),  # type: ignore[arg-type]
+                    axis="lines",
+                    range=LINES_RANGE["alpha"],
+                    log=False,
+                    tolerance=entry.tolerance,
+                    refine=True,
+                    fixed={},
+                    fine_tunes="several",
+                    index=start + len(out),
+                    origin=f"follow-up: LiNeS schedule over {cand.label}",
+                    alpha_range=LINES_RANGE["alpha"],
+                    beta_range=LINES_RANGE["beta"],
+                    grid_pairs=list(f["lines"]),
+                    num_layers=checkpoint_depth(ft).num_layers,
+                    merge_params=tuple(sorted((k, v) for k, v in params.items() if k != "lines")),
+                )
+            )
+    return out, notes
