@@ -32,8 +32,8 @@ from dghard_cli.io.hub import open_checkpoint  # noqa: E402
 from dghard_cli.io.verify import verify_dir  # noqa: E402
 from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
 from dghard_cli.merge import MergeOptions, merge  # noqa: E402
-from dghard_cli.schedule.spec import parse_lines  # noqa: E402
 from dghard_cli.repair import RepairOptions, repair  # noqa: E402
+from dghard_cli.schedule.spec import parse_lines  # noqa: E402
 
 warnings.filterwarnings("ignore", module="peft")
 transformers.logging.set_verbosity_error()
