@@ -113,7 +113,7 @@ def score(base: str | _Path, ft: str | _Path, candidates: list[str], **options) 
     return score_files(base, ft, candidates, **options)
 
 
-def verify(directory: str | _Path, *, quick: bool = False) -> dict:
+def verify(directory: str | _Path, *, quick: bool = False, base: str | _Path | None = None) -> dict:
     """Re-check a written model directory as ``dghard verify`` does (headers, index, hashes
     against its report; with ``quick`` no tensor is read); InputError names the first problem.
 
@@ -124,7 +124,15 @@ def verify(directory: str | _Path, *, quick: bool = False) -> dict:
     """
     from dghard_cli.io.verify import verify_dir
 
-    return verify_dir(_Path(directory), deep=not quick, use_report=True)
+    if base is None:
+        return verify_dir(_Path(directory), deep=not quick, use_report=True)
+    from dghard_cli.io.hub import open_checkpoint
+
+    base_ck = open_checkpoint(str(base), label="BASE")  # an adapter directory, checked against BASE
+    try:
+        return verify_dir(_Path(directory), deep=not quick, use_report=True, base=base_ck)
+    finally:
+        base_ck.close()
 
 
 __all__ = [

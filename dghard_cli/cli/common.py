@@ -144,11 +144,22 @@ RankOpt = Annotated[
 ]
 
 
-def lora_options(fmt: str, merge: bool, rank: int | None) -> LoraOutputOptions:
-    """The library's output options from ``--format``, ``--merge`` and ``--rank``."""
+AllowLossyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-lossy",
+        help="Adapter output: write it even when the default rank limit cuts the update (TIES/DARE of "
+        "adapters, a DoRA update that cannot stay DoRA); without it such a run is refused and says how "
+        "much is lost. The report says exact or lossy and the energy kept.",
+    ),
+]
+
+
+def lora_options(fmt: str, merge: bool, rank: int | None, allow_lossy: bool = False) -> LoraOutputOptions:
+    """The library's output options from ``--format``, ``--merge``, ``--rank`` and ``--allow-lossy``."""
     from dghard_cli.lora.output import LoraOutputOptions
 
-    return LoraOutputOptions(format=fmt.strip().lower(), merge=merge, rank=rank)
+    return LoraOutputOptions(format=fmt.strip().lower(), merge=merge, rank=rank, allow_lossy=allow_lossy)
 
 
 def is_adapter_doc(doc: dict) -> bool:

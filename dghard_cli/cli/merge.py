@@ -12,6 +12,7 @@ import typer
 from dghard_cli.cli.common import (
     DEVICES,
     DTYPE_CHOICES,
+    AllowLossyOpt,
     BaseRevisionOpt,
     FormatOpt,
     IncludeOpt,
@@ -144,6 +145,7 @@ def _tail(
     output_format: FormatOpt = "auto",
     merge_adapter: MergeOpt = False,
     rank: RankOpt = None,
+    allow_lossy: AllowLossyOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     json_out: JsonOpt = False,
@@ -337,7 +339,7 @@ def merge_cmd(**kw) -> None:
                 if recipe is not None and recipe.tensor_parameters is not None
                 else None
             ),
-            lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"]),
+            lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"], kw["allow_lossy"]),
         )
         if rp is not None:  # the recipe and a method's input files (--calib) are inputs too
             given = [("--config", config)]

@@ -210,6 +210,14 @@ def render_report(console: Console, doc: dict) -> None:
 
 def render_verify(console: Console, directory, doc: dict) -> None:
     skipped = f"; not checked: {', '.join(doc['skipped'])}" if doc.get("skipped") else ""
+    if doc.get("kind") == "peft-lora":
+        console.print(
+            Text(
+                f"{directory}: OK — PEFT adapter, {doc['modules']} LoRA modules, {doc['tensors']} tensors, "
+                f"{doc['bytes'] / 1e6:.2f} MB; checked {', '.join(doc['checks'])}{skipped}"
+            )
+        )
+        return
     console.print(
         Text(
             f"{directory}: OK — {doc['tensors']} tensors in {doc['shards']} shard(s), "
@@ -258,6 +266,14 @@ def render_adapter(console: Console, doc: dict) -> None:
     size, full = a.get("bytes") or 0, a.get("full_checkpoint_bytes") or 0
     ratio = f" ({100 * size / full:.2f} % of the {full / 1e6:.1f} MB full checkpoint)" if full else ""
     t.add_row("size", f"{size / 1e6:.2f} MB{ratio}")
+    if a.get("exact", True):
+        fidelity = "exact (every module keeps its whole update)"
+    else:
+        fidelity = (
+            f"LOSSY, asked for by {a.get('cut_by')}: keeps {100 * a.get('energy_kept', 0.0):.1f} % of the "
+            f"update's energy ({a.get('lossy_modules')} modules cut; --merge writes the exact model)"
+        )
+    t.add_row("adapter", fidelity)
     t.add_row(
         "energy lost",
         f"{a.get('energy_lost_max', 0.0):.3g} (largest share of a module's update cut by the rank limit: "

@@ -10,6 +10,7 @@ import typer
 
 from dghard_cli.cli.common import (
     DTYPE_CHOICES,
+    AllowLossyOpt,
     BaseArg,
     BaseRevisionOpt,
     DeviceOpt,
@@ -145,6 +146,7 @@ def repair_cmd(
     output_format: FormatOpt = "auto",
     merge: MergeOpt = False,
     rank: RankOpt = None,
+    allow_lossy: AllowLossyOpt = False,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -196,7 +198,7 @@ def repair_cmd(
             base_revision=base_revision,
             ft_revision=revision,
             route=route,
-            lora=lora_options(output_format, merge, rank),
+            lora=lora_options(output_format, merge, rank, allow_lossy),
         )
         doc = repair(base, ft, out, opts)
         if is_adapter_doc(doc):

@@ -22,6 +22,7 @@ def verify_dir(
     expected: dict[str, tuple[str, tuple[int, ...]]] | None = None,
     deep: bool = False,
     use_report: bool = False,
+    base: Checkpoint | None = None,
 ) -> dict:
     """Verify a model directory; raises InputError naming the first problem.
 
@@ -31,8 +32,19 @@ def verify_dir(
     ``dghard_report.json`` in the directory, plus each shard's size and sha256 as recorded when
     it was written. ``deep``: every floating tensor is read and checked for NaN/Inf, and each
     shard is opened with the reference ``safetensors`` library.
+
+    A PEFT adapter directory (``adapter_config.json``) is checked as an adapter
+    (:mod:`dghard_cli.lora.verify`: config, weights, report, and ``base`` when given).
     """
     path = Path(path)
+    if (path / "adapter_config.json").is_file():
+        from dghard_cli.lora.verify import verify_adapter_dir
+
+        return verify_adapter_dir(path, deep=deep, base=base)
+    if base is not None:
+        raise InputError(
+            f"{path}: --base checks an adapter directory against its base, and this is a full checkpoint"
+        )
     ckpt = Checkpoint(path, label="output")
     checks = ["headers", "index"]
     try:

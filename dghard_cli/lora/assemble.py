@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING
-from dghard_cli.errors import InputError
+from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
 from dghard_cli.lora.adapter import PEFT_PREFIX
 from dghard_cli.lora.context import RouteContext
@@ -64,9 +64,15 @@ def assemble(
         if isinstance(f, AdapterCheckpoint)
     )
     ranks: dict[str, int] = {}
+    dora = {bool(rec.get("dora")) for _, rec in lora.values()}
+    if len(dora) > 1:
+        raise RuntimeFailure("internal error: an adapter output with DoRA and plain LoRA modules")
+    use_dora = dora == {True}
     for m, (idx, rec) in lora.items():
         t = stage.spooled(idx)
         a, b = t["A"], t["B"]
+        if use_dora:
+            items.append((f"{PEFT_PREFIX}{m}.lora_magnitude_vector", t["magnitude"]))
         target, embedding = m, bool(rec.get("embedding"))
         if relocate and not embedding and OUTPUT_HEAD.search(rec["name"]):
             twin = twin_of.get(rec["name"])
@@ -120,6 +126,7 @@ def assemble(
         revision=base.revision,
         task_type=task_type(ctx.base, ctx.fts),
         tie_embeddings=bool(tied_lora),
+        use_dora=use_dora,
     )
     rank_list = [int(r["rank"]) for r in lora_units]
     lost = [float(r.get("energy_lost", 0.0)) for r in lora_units]
@@ -139,6 +146,7 @@ def assemble(
             else ("the largest input rank of each module" if not ctx.exact and ctx.input_ranks else None)
         ),
         "route": "exact" if ctx.exact else "factored",
+        "dora": use_dora,
     }
     return items, config, summary
 

@@ -27,6 +27,13 @@ def adapter_card(doc: dict) -> str:
         + (f" (modules_to_save: {', '.join(a['modules_to_save'])})" if a.get("modules_to_save") else ""),
         f"- {mib:.2f} MiB, against {full:.2f} MiB for the full checkpoint",
         f"- largest share of a module's update lost to the rank cut: {a.get('energy_lost_max', 0):.3g}",
+        (
+            "- exact: every module keeps its whole update"
+            if a.get("exact", True)
+            else f"- LOSSY (asked for by {a.get('cut_by')}): keeps {100 * a.get('energy_kept', 0):.1f} % of the "
+            "update's energy; the exact model is the run with --merge"
+        ),
+        *(["- DoRA (use_dora): each module has its magnitude vector"] if a.get("dora") else []),
         *(
             [f"- layer-wise strengths λ(ℓ): {doc['layer_strengths']['summary']}"]
             if doc.get("layer_strengths")

@@ -12,7 +12,11 @@
   merged checkpoint (LoRA modules are then reported ``low-rank`` and keep their update, full
   tensors such as ``modules_to_save`` copies get the cut);
 - an update that is not low-rank (TIES, DARE, strengths of full fine-tunes, RECALL, ``twoknob``
-  with a bulk weight) written as an adapter needs ``--rank R``.
+  with a bulk weight) written as an adapter needs ``--rank R``;
+- **exact or loud**: an adapter output holds the run's result exactly, or the run is refused
+  (exit 2, nothing written) with one line saying how much of the update would be lost and what
+  gives the exact model (:func:`lossy_message`), unless the cut was asked for: ``--rank R`` given,
+  or ``--allow-lossy``. The report's ``adapter`` section says ``exact`` and ``energy_kept``.
 
 Two ways to the adapter (written by :class:`~dghard_cli.lora.writer.AdapterStage`; each in its
 own module, :mod:`~dghard_cli.lora.route_exact` and :mod:`~dghard_cli.lora.route_factored`,
@@ -24,7 +28,9 @@ gives each the run's :class:`~dghard_cli.lora.context.RouteContext`, built once)
   that are all plain LoRA adapters: per module ``B = [c_1 s_1 B_1, c_2 s_2 B_2, …]`` and
   ``A = [A_1; A_2; …]`` (rank Σ r_i, as PEFT's ``add_weighted_adapter(combination_type="cat")``),
   full tensors combined elementwise; no base weight is read for the factors. ``--rank R``
-  truncates the concatenation exactly (SVD of the factors, ``O((m+n) r²)``).
+  truncates the concatenation exactly (SVD of the factors, ``O((m+n) r²)``). DoRA inputs give a
+  DoRA output, each row of B scaled and the magnitude recomputed (:mod:`~dghard_cli.lora.dora`),
+  when every module is a Linear layer (:func:`~dghard_cli.lora.route_exact.dora_blocker`).
 - **factored** — any method: each tensor's output ``W*`` is computed by the method exactly as
   for a full checkpoint (in float64), ``Δ* = W* − W_base`` is factored with the exact SVD at its
   numerical rank (the kept rank, for DG-Hard), capped by ``--rank`` (for TIES/DARE of adapters:
@@ -61,7 +67,7 @@ from dghard_cli.io.output import check_out_path
 from dghard_cli.lora.assemble import assemble
 from dghard_cli.lora.card import adapter_card
 from dghard_cli.lora.context import RouteContext, input_ranks
-from dghard_cli.lora.route_exact import exact_units
+from dghard_cli.lora.route_exact import dora_blocker, exact_units, uses_dora
 from dghard_cli.lora.route_factored import factored_units
 from dghard_cli.lora.source import is_adapter
 from dghard_cli.lora.writer import ADAPTER_FILES, AdapterStage, tokenizer_files
@@ -89,11 +95,12 @@ SCHEDULE_METHODS = frozenset({"lines", "layer-strengths"})
 
 @dataclass
 class LoraOutputOptions:
-    """``--format``, ``--merge`` and ``--rank``."""
+    """``--format``, ``--merge``, ``--rank`` and ``--allow-lossy``."""
 
     format: str = "auto"  # auto | full | peft
     merge: bool = False  # adapter inputs: write the full merged checkpoint
     rank: int | None = None  # cap of each module's rank in an adapter output (exact SVD)
+    allow_lossy: bool = False  # write an adapter that cuts the update (default rank cap) anyway
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -108,7 +115,72 @@ class LoraOutputOptions:
             )
 
     def describe(self) -> dict:
-        return {"format": self.format, "merge": self.merge, "rank": self.rank}
+        return {
+            "format": self.format,
+            "merge": self.merge,
+            "rank": self.rank,
+            "allow_lossy": self.allow_lossy,
+        }
+
+    @property
+    def cut_asked(self) -> str | None:
+        """The option by which the user asked for a lossy adapter (None: they did not)."""
+        if self.rank is not None:
+            return f"--rank {self.rank}"
+        return "--allow-lossy" if self.allow_lossy else None
+
+
+#: A module's update is exact when the factors keep every numerically resolved direction; these
+#: records (``exact`` missing) are counted exact only with at most this share of energy lost.
+LOSSLESS_SHARE = 1e-9
+
+
+def energy_account(records: list[dict]) -> dict:
+    """What the adapter keeps of the update of its LoRA modules (the report's ``adapter`` fields):
+    ``exact``, ``energy_kept`` (share of the energy of all their updates), ``lossy_modules``, the
+    worst module, and ``exact_rank`` (the largest numerical rank of a cut module: ``--rank`` at
+    which nothing is cut)."""
+    lora = [r for r in records if r.get("written_as") == "lora"]
+    total = lost = 0.0
+    cut = []
+    for r in lora:
+        e = float(r.get("update_energy") or 0.0)
+        share = float(r.get("energy_lost") or 0.0)
+        total += e
+        lost += share * e
+        if not r.get("exact", share <= LOSSLESS_SHARE):
+            cut.append(r)
+    worst = max(cut, key=lambda r: float(r.get("energy_lost") or 0.0), default=None)
+    ranks = [int((r.get("lora") or {}).get("numerical_rank") or r.get("numerical_rank") or 0) for r in cut]
+    return {
+        "exact": not cut,
+        "energy_kept": 1.0 - lost / total if total > 0 else 1.0,
+        "lossy_modules": len(cut),
+        "worst_module": worst.get("written_on") or worst["module"] if worst is not None else None,
+        "exact_rank": max(ranks) if ranks and all(ranks) else None,
+    }
+
+
+def lossy_message(account: dict, records: list[dict], cap_description: str) -> str:
+    """The one line that refuses a lossy adapter nobody asked for."""
+    lora = [r for r in records if r.get("written_as") == "lora"]
+    caps = sorted({int(r["rank"]) for r in lora if not r.get("exact", True)})
+    kept = 100 * account["energy_kept"]
+    worst = max(float(r.get("energy_lost") or 0.0) for r in lora)
+    at = f"--rank {caps[-1]} keeps {'at least ' if len(caps) > 1 else ''}{kept:.1f} %"
+    exact = (
+        f"--rank {account['exact_rank']} keeps all of it (each module's numerical rank)"
+        if account.get("exact_rank")
+        else None
+    )
+    ways = ", ".join(w for w in ("--merge writes the exact merged model", exact, at) if w)
+    return (
+        f"--format peft: this adapter would not be exact: cut to {cap_description} it loses "
+        f"{100 - kept:.1f} % of the update's energy ({account['lossy_modules']} of {len(lora)} modules "
+        f"cut, up to {100 * worst:.1f} % of one module's: {account['worst_module']}); {ways}; or add "
+        "--allow-lossy "
+        "to write the cut adapter"
+    )
 
 
 def linear_coefficients(method: str, params: dict) -> Callable[[str], list[float]] | None:
@@ -206,11 +278,17 @@ class AdapterOutput:
                 "--rank limits the rank of an adapter output, and this run writes a full checkpoint; "
                 "add --format peft (or drop --rank)"
             )
+        if self.format == "full" and self.lora.allow_lossy:
+            raise InputError(
+                "--allow-lossy lets an adapter output cut the update, and this run writes a full "
+                "checkpoint (exact); drop --allow-lossy"
+            )
         coeffs = linear_coefficients(method, params) if spec is None else None
         self.coefficients = coeffs
-        self.exact = (
-            self.format == "peft" and all_adapters and coeffs is not None and all(f.linear for f in fts)  # type: ignore[attr-defined]
-        )
+        linear = self.format == "peft" and all_adapters and coeffs is not None
+        #: why DoRA inputs cannot give a DoRA output (the factored route then cuts the update)
+        self.dora_blocker = dora_blocker(fts) if linear and uses_dora(fts) else None
+        self.exact = linear and self.dora_blocker is None
         self.adapter_inputs = all_adapters
         if self.format == "peft" and not self.exact and self.lora.rank is None and not any_adapter:
             twoknob_bulk = spec is not None and spec.shrink == "twoknob" and spec.b != 0
@@ -324,8 +402,14 @@ class AdapterOutput:
                 units = factored_units(ctx, stage, plan, make_op(device), device, run)
             timings["compute"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            items, config, summary = assemble(ctx, stage, units)
             records = [rec for _, rec in units]
+            account = energy_account(records)
+            if not account["exact"] and self.lora.cut_asked is None:
+                why = f" (DoRA cannot stay DoRA here: {self.dora_blocker})" if self.dora_blocker else ""
+                raise InputError(lossy_message(account, records, _cap_description(ctx)) + why)
+            items, config, summary = assemble(ctx, stage, units)
+            summary.update(account)
+            summary["cut_by"] = None if account["exact"] else self.lora.cut_asked
 
             def documents(output: dict) -> dict[str, str]:
                 timings["write"] = time.perf_counter() - t1
@@ -377,3 +461,11 @@ class AdapterOutput:
 
     def _tokenizer_dirs(self) -> list[Path]:
         return [f.path for f in self.fts[:1]]
+
+
+def _cap_description(ctx: RouteContext) -> str:
+    ranks = sorted(set(ctx.input_ranks.values()))
+    if not ranks:
+        return "the rank limit"
+    r = str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+    return f"the largest input rank of each module ({r})"

@@ -240,6 +240,9 @@ def _factored_unit(
                         "rank": fac.rank,
                         "lora": fac.stats(),
                         "energy_lost": fac.energy_lost,
+                        # exact: every numerically resolved direction of Δ* is kept
+                        "exact": fac.rank >= fac.numerical_rank,
+                        "update_energy": fac.fro2,
                     }
                 )
                 rec["seconds"] = round(time.perf_counter() - t0, 6)

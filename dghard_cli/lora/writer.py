@@ -35,7 +35,7 @@ import torch
 
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import TensorInfo
-from dghard_cli.io.output import OutputStage, ShardRecord, check_out_path
+from dghard_cli.io.output import OutputStage, ShardRecord, check_out_path, file_sha256
 from dghard_cli.io.safetensors_format import DTYPES
 from dghard_cli.lora.adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterWeights
 from dghard_cli.lora.config import ADAPTER_CONFIG
@@ -113,8 +113,10 @@ def adapter_config(
     revision: str | None,
     task_type: str | None,
     tie_embeddings: bool,
+    use_dora: bool = False,
 ) -> dict:
-    """``adapter_config.json`` for factors with scaling 1 (``lora_alpha = r`` per module)."""
+    """``adapter_config.json`` for factors with scaling 1 (``lora_alpha = r`` per module); with
+    ``use_dora`` every LoRA module has its ``lora_magnitude_vector``."""
     if ranks:
         counts = Counter(ranks.values())
         r = max(counts, key=lambda k: (counts[k], k))
@@ -131,7 +133,7 @@ def adapter_config(
         "lora_alpha": r,
         "lora_dropout": 0.0,
         "use_rslora": False,
-        "use_dora": False,
+        "use_dora": use_dora,
         "lora_bias": False,
         "bias": bias,
         "fan_in_fan_out": fan_in_fan_out,
@@ -241,6 +243,7 @@ class AdapterStage:
                 w.close()
             self._open = []
         self.stage.write_json(ADAPTER_CONFIG, config)
+        config_file = self.dir / ADAPTER_CONFIG
         copied: list[str] = []
         for d in tokenizer_dirs:
             keep = tokenizer_files(d)
@@ -259,7 +262,14 @@ class AdapterStage:
         for p in self.dir.glob(f"{SPOOL_PREFIX}*"):
             p.unlink()
         output = {
-            "files": [{"name": ADAPTER_WEIGHTS, "size": size, "sha256": digest}],
+            "files": [
+                {"name": ADAPTER_WEIGHTS, "size": size, "sha256": digest},
+                {
+                    "name": ADAPTER_CONFIG,
+                    "size": config_file.stat().st_size,
+                    "sha256": file_sha256(config_file),
+                },
+            ],
             "copied_files": sorted(set(copied)),
             "bytes": size,
         }
