@@ -33,7 +33,6 @@ import torch
 
 from dghard_cli.spectral.lowrank import factorize_product
 
-F64 = torch.float64
 #: |g_i| below this (relative to the largest |g|) is a cancelled row.
 CANCEL_RTOL = 1e-9
 #: rows of W handled at a time (float64)
@@ -86,20 +85,20 @@ def combine(
     """The DoRA module equal to ``W + Σ c_k (W_k − W)`` (module docstring); ``w_rows((r0, r1))``
     gives rows of the base weight ``W`` (``m x n``). ``rank``: truncate ``B'A'`` to it."""
     m, n = shape
-    a = torch.cat([p.a.to(F64) for p in parts], dim=0)
-    b = torch.empty((m, a.shape[0]), dtype=F64)
-    g = torch.empty(m, dtype=F64)
+    a = torch.cat([p.a.to(torch.float64) for p in parts], dim=0)
+    b = torch.empty((m, a.shape[0]), dtype=torch.float64)
+    g = torch.empty(m, dtype=torch.float64)
     for r0, r1 in _row_steps(m, n):
-        w = w_rows((r0, r1)).to(F64)
-        gb = torch.ones(r1 - r0, dtype=F64)
+        w = w_rows((r0, r1)).to(torch.float64)
+        gb = torch.ones(r1 - r0, dtype=torch.float64)
         scales = []
         for p in parts:
-            sb = p.sb[r0:r1].to(F64)
+            sb = p.sb[r0:r1].to(torch.float64)
             if p.magnitude is None:
-                d = torch.ones(r1 - r0, dtype=F64)
+                d = torch.ones(r1 - r0, dtype=torch.float64)
             else:
-                d = p.magnitude[r0:r1].to(F64).reshape(-1) / torch.linalg.vector_norm(
-                    w + sb @ p.a.to(F64), dim=1
+                d = p.magnitude[r0:r1].to(torch.float64).reshape(-1) / torch.linalg.vector_norm(
+                    w + sb @ p.a.to(torch.float64), dim=1
                 )
             gb += p.c * (d - 1.0)
             scales.append((p.c * d, sb))
@@ -121,10 +120,10 @@ def combine(
     if cut:
         fac = factorize_product(b, a, rank)
         b_out, a_out = fac.left, fac.right
-    mag = torch.empty(m, dtype=F64)
+    mag = torch.empty(m, dtype=torch.float64)
     update2 = lost2 = 0.0
     for r0, r1 in _row_steps(m, n):
-        w = w_rows((r0, r1)).to(F64)
+        w = w_rows((r0, r1)).to(torch.float64)
         full = w + b[r0:r1] @ a  # the exact direction
         gm = g[r0:r1]
         mag[r0:r1] = gm * torch.linalg.vector_norm(full, dim=1)
