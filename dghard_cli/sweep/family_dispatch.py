@@ -5,7 +5,9 @@
 :mod:`dghard_cli.sweep.candidates`.
 
 Every candidate is written by the library function of its command (``repair`` or ``merge``),
-so it is byte for byte what the printed command writes.
+so it is byte for byte what the printed command writes. With LoRA adapters as fine-tunes,
+:func:`writes_adapter` decides the format per candidate: an adapter where the candidate is exact
+in adapter form, else the full merged checkpoint (``--merge``); the command line says which.
 """
 
 from __future__ import annotations
@@ -14,7 +16,9 @@ from pathlib import Path
 
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.lora.output import LoraOutputOptions
+from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.lora.output import LoraOutputOptions, linear_coefficients
+from dghard_cli.lora.source import is_adapter
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
 from dghard_cli.methods.declare import LINES
@@ -70,11 +74,29 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
     )
 
 
+def writes_adapter(cand: Candidate, fts: list[Checkpoint]) -> bool:
+    """Whether ``cand`` is written as a PEFT adapter (its command without ``--merge``).
+
+    Yes when every fine-tune is a plain LoRA adapter (no DoRA: its update is not linear in B) and
+    the candidate is linear in their updates — WiSE-FT, task arithmetic, a layer-strength schedule
+    alone, or a linear merge under one: the exact route of :mod:`dghard_cli.lora.output` writes it
+    without approximation (B scaled, A kept). Any other candidate of adapters (a spectral cut at a
+    known σ, TIES, DARE, DG-Hard) would be factored at a rank, so it is written as the full merged
+    checkpoint. Full fine-tunes: never.
+    """
+    if not fts or not all(is_adapter(f) and f.linear for f in fts):  # type: ignore[attr-defined]
+        return False
+    p = cand.param_dict
+    if cand.command == "repair":
+        return cand.family == "lines" and "shrink" not in p
+    return linear_coefficients(str(p["method"]), p) is not None
+
+
 def reproduce_argv(
     cand: Candidate, base: str, fts: list[str], out: str, device: str, *, merge_adapters: bool = False
 ) -> list[str]:
     """The one ``dghard repair``/``dghard merge`` command line that writes this candidate
-    (``merge_adapters``: the fine-tunes are LoRA adapters, written as the full merged checkpoint)."""
+    (``merge_adapters``: written as the full merged checkpoint of LoRA fine-tunes, ``--merge``)."""
     if cand.family == "lines":
         return lines.reproduce_argv(cand, base, fts[0], out, device) + (["--merge"] if merge_adapters else [])
     p = cand.param_dict
@@ -113,7 +135,16 @@ def write_candidate(
     moved); None: ``out``.
     """
     if cand.family == "lines":
-        return lines.write_candidate(cand, base, fts[0], out, device=device, argv=argv, report_out=report_out)
+        return lines.write_candidate(
+            cand,
+            base,
+            fts[0],
+            out,
+            device=device,
+            argv=argv,
+            report_out=report_out,
+            merge_adapters=merge_adapters,
+        )
     p = cand.param_dict
     run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
     lora = LoraOutputOptions(merge=merge_adapters)

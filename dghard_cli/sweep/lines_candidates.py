@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from dghard_cli.architecture import place_depth
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
+from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
 from dghard_cli.repair import RepairOptions, repair
 from dghard_cli.schedule.spec import LayerSchedule, parse_layer_strengths
@@ -245,8 +246,18 @@ def reproduce_argv(cand: Candidate, base: str, ft: str, out: str, device: str) -
 
 
 def write_candidate(
-    cand: Candidate, base: str, ft: str, out, *, device: str, argv: list[str], report_out: str | None = None
+    cand: Candidate,
+    base: str,
+    ft: str,
+    out,
+    *,
+    device: str,
+    argv: list[str],
+    report_out: str | None = None,
+    merge_adapters: bool = False,
 ) -> dict:
+    """Write ``cand`` with ``dghard repair`` (``merge_adapters``: FT is a LoRA adapter, written as
+    the full merged checkpoint, ``--merge``; else in FT's own format, an adapter for an adapter)."""
     p = cand.param_dict
     if "lines" in p:
         schedule = LayerSchedule(alpha=float(p["lines"][0]), beta=float(p["lines"][1]))
@@ -263,4 +274,5 @@ def write_candidate(
             b=p.get("b", 0.0),
         )
     run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
-    return repair(base, ft, out, RepairOptions(spec=spec, schedule=schedule, run=run))
+    lora = LoraOutputOptions(merge=merge_adapters)
+    return repair(base, ft, out, RepairOptions(spec=spec, schedule=schedule, run=run, lora=lora))

@@ -13,8 +13,8 @@ user's own evaluation command, within a budget of evaluations.
    points of the best HM are tied and the one *closest to the fine-tune* wins: the smallest
    ‖W_c − W_ref‖ / ‖W_ref − W_base‖ over all floating tensors, with W_ref = FT (several
    fine-tunes: W_base + Σ_i Δ_i, every fine-tune's whole update), measured on the written
-   checkpoint; then the earlier evaluated.
-4. **Output**: OUT receives the winner's checkpoint exactly as the printed command writes it,
+   checkpoint (a LoRA adapter as BASE + ΔW, as FT is read); then the earlier evaluated.
+4. **Output**: OUT receives the winner's checkpoint (or adapter) exactly as the printed command writes it,
    plus ``sweep_report.json`` and, with matplotlib, ``sweep_frontier.png``. Nothing else
    stays on disk. An interrupted sweep keeps ``.OUT.dghard-sweep`` beside OUT: its cache
    (one entry per evaluation, keyed by the candidate's parameters, the inputs' file sizes and
@@ -194,7 +194,8 @@ class _Sweep(EvaluationSteps, SweepReport):
         for i, spec in enumerate(self.ft_specs):
             label = "FT" if i == 0 else f"--merge-ft {spec}"
             self.ft_cks.append(open_ft(spec, base=self.base_ck, label=label))
-        # LoRA adapters are evaluated, and candidates written, as full merged checkpoints
+        # LoRA adapters: evaluated as full merged checkpoints; each candidate written as an adapter
+        # where that is exact, else merged (steps.py, family_dispatch.writes_adapter)
         self.adapters = any(is_adapter(f) for f in self.ft_cks)
         check_out_path(
             self.out, [self.base_ck.path, *[f.path for f in self.ft_cks]], overwrite=self.opts.overwrite

@@ -1,5 +1,12 @@
 """The steps of a sweep that evaluate: the references (BASE, FT), and each candidate written,
-measured, evaluated, scored and kept or dropped."""
+measured, evaluated, scored and kept or dropped.
+
+LoRA adapters as fine-tunes: each candidate is written in the format its reproduction command
+writes (an adapter where it is exact as one, else the merged checkpoint:
+:func:`~dghard_cli.sweep.family_dispatch.writes_adapter`). Whatever the format, it is measured
+and evaluated as the model it stands for: its distance to the fine-tune compares BASE + ΔW
+(the adapter read as the fine-tune is, :func:`~dghard_cli.lora.source.open_ft`), and the
+evaluation command gets that model as a full checkpoint, as it got FT."""
 
 from __future__ import annotations
 
@@ -12,11 +19,11 @@ from pathlib import Path
 
 from dghard_cli._version import __version__
 from dghard_cli.engine.runner import RunOptions
-from dghard_cli.errors import InputError
+from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.files import read_json, realpath
 from dghard_cli.lora.output import LoraOutputOptions
-from dghard_cli.lora.source import is_adapter
+from dghard_cli.lora.source import is_adapter, open_ft
 from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.score.results import ResultFile, read_results
 from dghard_cli.sweep import integrity
@@ -24,7 +31,7 @@ from dghard_cli.sweep.cache import digest, dir_bytes, input_identity, write_json
 from dghard_cli.sweep.candidates import Candidate, reproduced_out, shell_command
 from dghard_cli.sweep.choose import choose_winner, update_distance
 from dghard_cli.sweep.evaluate import locate_results, run_command
-from dghard_cli.sweep.family_dispatch import reproduce_argv, write_candidate
+from dghard_cli.sweep.family_dispatch import reproduce_argv, write_candidate, writes_adapter
 
 
 class EvaluationSteps:
@@ -53,7 +60,7 @@ class EvaluationSteps:
         if rec is None:
             self.emit(kind="evaluating", name=what)
             before = input_identity(ck)
-            model = self.merged_adapter(ck) if is_adapter(ck) else ck.path.resolve()
+            model = self.merged_adapter(ck.source) if is_adapter(ck) else ck.path.resolve()
             rec, results = self.run_eval(model, what, fixed)
             if is_adapter(ck):
                 shutil.rmtree(model, ignore_errors=True)
@@ -94,8 +101,9 @@ class EvaluationSteps:
         )
         return rf
 
-    def merged_adapter(self, ck: Checkpoint) -> Path:
-        """A LoRA fine-tune as the full checkpoint the evaluation can load (BASE + ΔW)."""
+    def merged_adapter(self, source: str) -> Path:
+        """A LoRA adapter of BASE (a fine-tune, or a candidate written as one) as the full
+        checkpoint the evaluation can load (BASE + ΔW)."""
         target = self.stage / "adapter-merged"
         shutil.rmtree(target, ignore_errors=True)
         opts = MergeOptions(
@@ -103,7 +111,7 @@ class EvaluationSteps:
             lora=LoraOutputOptions(merge=True),
             run=RunOptions(device=self.opts.device, quiet=True),
         )
-        merge(self.base_spec, [ck.source], target, opts)
+        merge(self.base_spec, [source], target, opts)
         return target.resolve()
 
     def run_eval(self, model: Path, label: str, fixed: dict | None) -> tuple[dict, Path | None]:
@@ -152,9 +160,14 @@ class EvaluationSteps:
 
     # -- candidates
     def key(self, cand: Candidate) -> str:
-        return digest(
-            {"candidate": [cand.command, list(cand.params)], "device": self.opts.device, **self.identity}
-        )
+        what = {"candidate": [cand.command, list(cand.params)], "device": self.opts.device, **self.identity}
+        if self.adapters:  # the format is part of what was measured (cached before it was: not reused)
+            what["output"] = "peft" if self.as_adapter(cand) else "full"
+        return digest(what)
+
+    def as_adapter(self, cand: Candidate) -> bool:
+        """Whether ``cand`` is written as a LoRA adapter (else a full checkpoint)."""
+        return writes_adapter(cand, self.ft_cks)
 
     def reproduce(self, cand: Candidate) -> list[str]:
         # OUT holds the winner when the sweep ends, so the command writes its copy beside it
@@ -164,14 +177,15 @@ class EvaluationSteps:
             self.ft_specs,
             reproduced_out(self.out_arg),
             self.opts.device,
-            merge_adapters=self.adapters,
+            merge_adapters=self.adapters and not self.as_adapter(cand),
         )
 
     def write(self, cand: Candidate, key: str, target: Path) -> dict:
         shutil.rmtree(target, ignore_errors=True)
         t0 = time.perf_counter()
         # the candidate's report names OUT, where the winner ends up: written once, never patched
-        write_candidate(
+        adapter = self.as_adapter(cand)
+        doc = write_candidate(
             cand,
             self.base_spec,
             self.ft_specs,
@@ -179,8 +193,14 @@ class EvaluationSteps:
             device=self.opts.device,
             argv=self.reproduce(cand),
             report_out=self.out_arg,
-            merge_adapters=self.adapters,
+            merge_adapters=self.adapters and not adapter,
         )
+        route = doc.get("parameters", {}).get("adapter_route")
+        if adapter and route != "exact":  # writes_adapter promised the exact route
+            raise RuntimeFailure(
+                f"internal error: candidate {cand.label} was to be written as an exact adapter, "
+                f"and {'the ' + route + ' route' if route else 'a full checkpoint'} wrote it"
+            )
         secs = time.perf_counter() - t0
         self.t["write"] += secs
         info = {"key": key, "seconds": round(secs, 3), "bytes": dir_bytes(target)}
@@ -210,17 +230,32 @@ class EvaluationSteps:
             self.emit(kind="evaluating", name=name, order=order, budget=self.cand_budget, phase=phase)
             cdir = self.stage / "candidate"
             info = self.on_disk(cdir, key) or self.write(cand, key, cdir)
+            adapter = self.as_adapter(cand)
             t0 = time.perf_counter()
-            cand_ck = Checkpoint(cdir, label="candidate")
+            # an adapter is measured as the model it stands for, BASE + ΔW, as FT is
+            if adapter:
+                cand_ck = open_ft(str(cdir), base=self.base_ck, label="candidate")
+            else:
+                cand_ck = Checkpoint(cdir, label="candidate")
             try:
                 dist = update_distance(self.base_ck, self.ft_cks, cand_ck)
             finally:
                 cand_ck.close()
             dsecs = time.perf_counter() - t0
             self.t["distance"] += dsecs
+            model, merged_bytes = cdir.resolve(), 0
+            if adapter:  # evaluated as a full checkpoint, as FT was
+                t1 = time.perf_counter()
+                model = self.merged_adapter(str(cdir))
+                merged_bytes = dir_bytes(model)
+                self.t["write"] += time.perf_counter() - t1
             winner_bytes = dir_bytes(self.stage / "winner")
-            self.disk_peak = max(self.disk_peak, winner_bytes + info["bytes"])
-            rec, results = self.run_eval(cdir.resolve(), name, self.base_rf.metrics)
+            self.disk_peak = max(self.disk_peak, winner_bytes + info["bytes"] + merged_bytes)
+            try:
+                rec, results = self.run_eval(model, name, self.base_rf.metrics)
+            finally:
+                if adapter:
+                    shutil.rmtree(model, ignore_errors=True)
             tampered = integrity.changed(cdir, info.get("snapshot"))
             if tampered:
                 rec["status"], results = "failed", None
