@@ -564,7 +564,7 @@ Path(output).write_text(json.dumps({"task": 40 + 40 * p, "general": 70 - 30 * q,
 """
 
 
-def test_sweep_takes_an_adapter_and_writes_the_winner_merged(bases, tmp_path):
+def test_sweep_takes_an_adapter_and_writes_a_wise_ft_winner_as_an_adapter(bases, tmp_path):
     from dghard_cli.sweep.run import SweepOptions, sweep
 
     base = bases["llama"]
@@ -590,13 +590,15 @@ def test_sweep_takes_an_adapter_and_writes_the_winner_merged(bases, tmp_path):
     names = [r["name"] for r in doc["candidates"]]
     assert names == ["wise-ft alpha=0.3", "wise-ft alpha=0.7"], names
     win = doc["winner"]
-    assert "--merge" in win["reproduce"]["argv"]
-    # OUT holds the winner as a full checkpoint, W_base + α·ΔW
+    assert "--merge" not in win["reproduce"]["argv"]
+    # OUT holds the winner as an exact adapter (as its command writes it), ΔW = α·ΔW_ft
+    # (tests/test_sweep_adapter.py: the format of each family, distances, the reproduction)
     alpha = win["params"]["alpha"]
-    got, w0 = load_dir(out), load_dir(base)
+    got = lora_deltas(out)
+    assert set(got) == set(deltas)
     for name, d in deltas.items():
-        assert np.allclose(f64(got[name]) - f64(w0[name]), alpha * d, atol=1e-6)
-    assert (out / "config.json").exists() and not (out / "adapter_config.json").exists()
+        assert np.allclose(got[name], alpha * d, atol=1e-6)
+    assert (out / "adapter_config.json").exists() and not (out / "config.json").exists()
 
 
 def test_an_interrupted_adapter_write_resumes(bases, full_fts, tmp_path, monkeypatch):
