@@ -173,8 +173,13 @@ def test_the_lines_winner_is_the_adapter_its_printed_command_writes(swept):
 
 
 def test_each_family_is_written_as_its_command_writes_it(swept):
-    _, doc, _ = swept
+    root, doc, _ = swept
     merged = {r["name"]: "--merge" in r["reproduce"]["argv"] for r in doc["candidates"]}
+    # what the sweep wrote: an adapter (r = 4 factors of two modules a layer) is a small fraction
+    # of the full checkpoint a --merge command writes
+    full = (root / "base" / "model.safetensors").stat().st_size
+    written_full = {r["name"]: r["bytes"] > full for r in doc["candidates"]}
+    assert written_full == merged, (written_full, full)
     assert merged == {
         "lines 0.6,0.0": False,
         "lines 0.2,0.6": False,
