@@ -18,6 +18,7 @@ from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.lora.output import LoraOutputOptions, linear_coefficients
+from dghard_cli.lora.route_exact import dora_blocker, uses_dora
 from dghard_cli.lora.source import is_adapter
 from dghard_cli.merge import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
@@ -77,14 +78,17 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
 def writes_adapter(cand: Candidate, fts: list[Checkpoint]) -> bool:
     """Whether ``cand`` is written as a PEFT adapter (its command without ``--merge``).
 
-    Yes when every fine-tune is a plain LoRA adapter (no DoRA: its update is not linear in B) and
-    the candidate is linear in their updates — WiSE-FT, task arithmetic, a layer-strength schedule
-    alone, or a linear merge under one: the exact route of :mod:`dghard_cli.lora.output` writes it
-    without approximation (B scaled, A kept). Any other candidate of adapters (a spectral cut at a
-    known σ, TIES, DARE, DG-Hard) would be factored at a rank, so it is written as the full merged
-    checkpoint. Full fine-tunes: never.
+    Yes when every fine-tune is a LoRA adapter and the candidate is linear in their updates —
+    WiSE-FT, task arithmetic, a layer-strength schedule alone, or a linear merge under one: the
+    exact route of :mod:`dghard_cli.lora.output` writes it without approximation (B scaled, A
+    kept; DoRA stays DoRA where :func:`~dghard_cli.lora.route_exact.dora_blocker` allows, the
+    condition ``AdapterOutput.exact`` uses). Any other candidate of adapters (a spectral cut at a
+    known σ, TIES, DARE, DG-Hard, DoRA that cannot stay DoRA) would be factored at a rank, so it is
+    written as the full merged checkpoint. Full fine-tunes: never.
     """
-    if not fts or not all(is_adapter(f) and f.linear for f in fts):  # type: ignore[attr-defined]
+    if not fts or not all(is_adapter(f) for f in fts):
+        return False
+    if uses_dora(fts) and dora_blocker(fts) is not None:
         return False
     p = cand.param_dict
     if cand.command == "repair":
