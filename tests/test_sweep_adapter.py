@@ -219,3 +219,34 @@ def test_the_evaluation_is_given_full_checkpoints_only(swept):
     root, doc, _ = swept
     seen = (root / "seen.txt").read_text().split()
     assert len(seen) == 2 + len(doc["candidates"]) and set(seen) == {"checkpoint"}, seen
+
+
+def test_a_dora_adapter_sweeps_as_dora_adapters(swept, tmp_path):
+    """DoRA strengths stay DoRA: a lines candidate of a DoRA FT is a DoRA adapter, without --merge,
+    at distance 1 − λ from FT (W = W_base + λ·ΔW_dora, λ uniform)."""
+    root, _, _ = swept
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(str(root / "base")),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True),
+    )
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name or "lora_magnitude" in name:
+                p.add_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(tmp_path / "dora"))
+    for f in ("eval.py", "base.safetensors", "signal.npz"):  # its own seen.txt
+        (tmp_path / f).write_bytes((root / f).read_bytes())
+    opts = SweepOptions(
+        eval_template=f"python {tmp_path / 'eval.py'} {{model}} {{output}}",
+        budget=3,
+        families=[{"family": "lines", "grid": [[0.6, 0.0]], "refine": False}],
+        device="cpu",
+        plot=False,
+    )
+    doc = sweep(str(root / "base"), str(tmp_path / "dora"), str(tmp_path / "out"), opts)
+    (row,) = doc["candidates"]
+    assert row["status"] == "ok" and "--merge" not in row["reproduce"]["argv"]
+    assert row["distance"] == pytest.approx(0.4, rel=1e-5)
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["use_dora"] is True
+    assert set((tmp_path / "seen.txt").read_text().split()) == {"checkpoint"}
