@@ -55,7 +55,28 @@ def entrypoint() -> None:
     interrupts.KEEP_IGNORING = True  # the process ends with the command: no handler to restore
     from dghard_cli.cli.common import app
 
-    app()
+    try:
+        app()
+    except SystemExit as exc:
+        if exc.code == 3:
+            _exit_now(3)
+        raise
+
+
+def _exit_now(code: int) -> None:
+    """End an interrupted or failed run (exit 3) without the C++ teardown of torch: a thread of
+    the run still inside a torch call when the interpreter finalises made that teardown abort
+    ("terminate called without an active exception", exit -6 instead of 3). Python's own exit
+    hooks run first (OUT's lock, temporary directories); the output is already resumable."""
+    import atexit
+    import os
+
+    run_exit_hooks = getattr(atexit, "_run_exitfuncs", None)
+    if run_exit_hooks is not None:
+        run_exit_hooks()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def __getattr__(name: str):
