@@ -84,8 +84,11 @@ def score_candidates(
     min_margin: float = DEFAULT_MIN_MARGIN,
     stderr_factor: float = DEFAULT_STDERR_FACTOR,
     fail_under: float | None = None,
+    units_option: str | None = "--units",
 ) -> dict:
     """Score candidates against base and fine-tune; returns the score document.
+
+    ``units_option`` is the option the unit warnings advise (``None``: the caller has none).
 
     All scores are in points. Raises InputError (exit 2) for a benchmark missing from the
     fine-tune or a candidate, an unknown target, a negative margin or no candidate.
@@ -273,7 +276,7 @@ def score_candidates(
     }
     others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
     doc["units_assumed"] = scales.describe(base, others, min_margin)
-    warnings += scales.notes(base, others)
+    warnings += scales.notes(base, others, units_option=units_option)
     if fail_under is not None:
         doc["gate"] = gate(doc, fail_under)
     return doc

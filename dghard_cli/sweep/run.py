@@ -197,7 +197,7 @@ class _Sweep(EvaluationSteps, SweepReport):
                     {
                         **e.describe(),
                         "skipped": "a LoRA adapter's update has only r non-zero singular values, so the "
-                        "unknown-noise cut is undefined on it (SPEC §4)",
+                        "unknown-noise cut is undefined on it",
                     }
                 )
             elif e.applies(n):
@@ -262,6 +262,7 @@ class _Sweep(EvaluationSteps, SweepReport):
             refs + scored,
             targets=self.opts.targets,
             margin=self.opts.margin,
+            units_option=None,  # the sweep reads every results file under --units auto
         )
         by_name = {c["name"]: c for c in doc["candidates"]}
         self.score_doc = doc

@@ -1,0 +1,130 @@
+"""What a newcomer with LoRA adapters and mergekit recipes trips on, each checked as they would hit it.
+
+Real PEFT and transformers where the point is about them: an adapter output must load with
+``AutoPeftModelForCausalLM`` from another working directory; messages and shipped files point at
+nothing outside the product.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from dghard_cli.cli import app
+
+REPO = Path(__file__).resolve().parent.parent
+peft = pytest.importorskip("peft")
+transformers = pytest.importorskip("transformers")
+
+from peft import AutoPeftModelForCausalLM, LoraConfig, PeftModel, get_peft_model  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+warnings.filterwarnings("ignore", module="peft")
+transformers.logging.set_verbosity_error()
+
+SIZES = dict(
+    hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+)
+
+
+def cli(*args: str, env: dict | None = None):
+    return CliRunner().invoke(app, [str(a) for a in args], env=env)
+
+
+def tiny_llama(path: Path, seed: int = 0) -> Path:
+    torch.manual_seed(seed)
+    LlamaForCausalLM(LlamaConfig(**SIZES, vocab_size=64, tie_word_embeddings=False)).save_pretrained(
+        str(path)
+    )
+    return path
+
+
+def tiny_adapter(base: Path, out: Path, seed: int = 1) -> Path:
+    model = get_peft_model(
+        LlamaForCausalLM.from_pretrained(str(base)), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"])
+    )
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))
+    model.save_pretrained(str(out))
+    return out
+
+
+# -- item 4: pointers to nothing ---------------------------------------------------------------------------
+def shipped_text_files():
+    for root in ("dghard_cli", "docs"):
+        for p in sorted((REPO / root).rglob("*")):
+            if p.is_file() and p.suffix in (".py", ".md", ".yaml", ".txt", ".html"):
+                yield p
+    yield from (REPO / "README.md", REPO / "CHANGELOG.md")
+
+
+def test_nothing_shipped_cites_the_spec_or_files_outside_the_repository():
+    bad = re.compile(r"\bSPEC\b(?!\.md\b)(?![_A-Za-z])|SPEC\.md|\.\./shared|§\s*\d")
+    hits = []
+    for p in shipped_text_files():
+        for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
+            if "--layer-strengths SPEC" in line or "paper's §" in line:
+                continue  # a metavariable, and the paper's own section
+            if bad.search(line):
+                hits.append(f"{p.relative_to(REPO)}:{i}: {line.strip()[:80]}")
+    assert not hits, "\n".join(hits)
+
+
+def test_sweep_unit_warnings_name_no_option_sweep_lacks():
+    from dghard_cli.score import scales
+    from dghard_cli.score.results import ResultFile, Score
+
+    def rf(name: str, units: dict[str, str]) -> ResultFile:
+        scores = {k: Score(50.0, None) for k in units}
+        return ResultFile(source=name, format="plain", scale="mixed", scores=scores, units=units)
+
+    base = rf("base.json", {"a": "fraction", "b": "points"})  # mixes fractions and points
+    ft = rf("ft.json", {"a": "points", "b": "points"})  # a read in another unit than in base
+    score_notes = scales.notes(base, [("FT", ft)])
+    sweep_notes = scales.notes(base, [("FT", ft)], units_option=None)
+    assert any("pass --units" in n for n in score_notes)
+    assert sweep_notes and not any("--units" in n and "dghard score" not in n for n in sweep_notes)
+    assert any("dghard score --units" in n for n in sweep_notes)
+
+
+def test_an_adapter_output_loads_with_auto_peft_from_any_directory(tmp_path, monkeypatch):
+    work = tmp_path / "work"
+    work.mkdir()
+    base = tiny_llama(work / "base")
+    tiny_adapter(base, work / "ad")
+    monkeypatch.chdir(work)
+    r = cli("merge", "--method", "wise-ft", "--alpha", "0.5", "base", "ad", "--out", "weaker", "--quiet")
+    assert r.exit_code == 0, r.output
+    out = work / "weaker"
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    assert cfg["base_model_name_or_path"] == str(base.resolve())
+    card = (out / "README.md").read_text()
+    assert f"base_model: {base.resolve()}" in card and "absolute path" in card
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    model = AutoPeftModelForCausalLM.from_pretrained(str(out)).eval()
+    ref = PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(str(base)), str(out)).eval()
+    x = torch.arange(8).reshape(1, 8)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, ref(x).logits)
+
+
+def test_an_adapter_of_a_hub_base_keeps_the_hub_id(tmp_path):
+    from dghard_cli.io.checkpoint import Checkpoint
+    from dghard_cli.lora.assemble import base_reference
+
+    snapshot = tiny_llama(tmp_path / "cache" / "snapshots" / "abc")
+    ck = Checkpoint(snapshot, source="org/tiny-llama")
+    assert base_reference(ck) == ("org/tiny-llama", "hub id")
+    ck = Checkpoint(snapshot, source=str(snapshot))
+    assert base_reference(ck) == (str(snapshot.resolve()), "absolute path")
