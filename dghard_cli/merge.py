@@ -79,6 +79,16 @@ class MergeOptions:
     lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
 
 
+def varying_parameters(sets: dict[str, tuple[dict, dict]]) -> list[str]:
+    """The parameters whose value is not the same for every tensor (a recipe's gradients and
+    filters): the report's ``parameters`` holds one tensor's value of them, not the recipe's."""
+    seen: dict[str, set[str]] = {}
+    for p, _ in sets.values():
+        for k, v in p.items():
+            seen.setdefault(k, set()).add(repr(v))
+    return sorted(k for k, vs in seen.items() if len(vs) > 1)
+
+
 def canonical_method(method: str) -> str:
     return registry.get_method(method).name
 
@@ -190,6 +200,7 @@ def merge(
         if opts.tensor_parameters is not None:  # validated for every tensor before anything is written
             sets = tensor_parameter_sets(plan, opts, len(fts), resolve_parameters)
             parameters["per_tensor"] = "varies by tensor (the recipe's gradients/filters): see each tensor"
+            parameters["varies_per_tensor"] = varying_parameters(sets)
 
         def make_op(device):
             if sets is None:

@@ -358,7 +358,8 @@ REFUSED = {
     "tokenizer": (TIES + "tokenizer_source: union\n", "'tokenizer_source' asks for tokenizer surgery"),
     "chat-template": (TIES + "chat_template: chatml\n", "'chat_template'"),
     "lora": (SLERP.replace("NeuralHermes-2.5-Mistral-7B\n", "NeuralHermes-2.5-Mistral-7B+some/lora\n", 1), "LoRA"),
-    "unknown-method": (SLERP.replace("merge_method: slerp", "merge_method: karcher"), "'karcher' is not one dghard runs"),
+    "unknown-method": (SLERP.replace("merge_method: slerp", "merge_method: karcher"), "karcher (the mean on the sphere) is not in dghard; the nearest is linear"),
+    "not-mergekit-method": (SLERP.replace("merge_method: slerp", "merge_method: frobnicate"), "'frobnicate' is not one dghard runs"),
     "no-rescale": (TIES.replace("merge_method: ties", "merge_method: dare_ties").replace("normalize: true", "rescale: false"), "'rescale: false'"),
     "no-base": (TIES.replace("base_model: mistralai/Mistral-7B-v0.1\n", ""), "needs 'base_model'"),
     "slerp-three": (SLERP.replace("merge_method", "  - model: teknium/OpenHermes-2.5-Mistral-7B\nmerge_method", 1), "one other model; got 2"),
@@ -488,6 +489,39 @@ parameters:
     - value: 0.5
 dtype: float32
 """
+
+
+#: mergekit 0.1.5's merge methods (its docs/merge_methods.md) that dghard does not run
+MERGEKIT_ONLY = ("nuslerp", "multislerp", "karcher", "sce", "ram", "ramplus_tl", "nearswap", "arcee_fusion")
+
+
+@pytest.mark.parametrize("method", MERGEKIT_ONLY)
+def test_a_mergekit_method_dghard_lacks_names_the_nearest_dghard_method(method):
+    from dghard_cli.methods import registry
+
+    doc = yaml.safe_load(SLERP.replace("merge_method: slerp", f"merge_method: {method}"))
+    with pytest.raises(InputError) as e:
+        translate(doc, "r.yml")
+    msg = str(e.value)
+    assert "\n" not in msg and f"merge_method {method}:" in msg
+    nearest = msg.split("the nearest is ")[1].split(" ")[0]
+    assert nearest in registry.method_names() or nearest == "linear"  # linear: mergekit's own, mapped
+
+
+def test_a_gradient_recipe_prints_no_tensors_values_as_the_recipes(deep, tmp_path):
+    """The terminal summary and the model card say the weights vary, not one tensor's weights."""
+    path = tmp_path / "mergekit.yml"
+    path.write_text(local(MERGEKIT_README_TIES, deep))
+    out = tmp_path / "merged"
+    res = CliRunner().invoke(app, ["merge", "--config", str(path), "--out", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "weights=varies per tensor (see the report)" in res.output
+    assert "weights=[" not in res.output
+    card = (out / "README.md").read_text()
+    assert '"weights": "varies per tensor (see the report)"' in card
+    report = json.loads((out / "dghard_report.json").read_text())
+    assert "weights" in report["parameters"]["varies_per_tensor"]
+    assert "lambda" not in report["parameters"]["varies_per_tensor"]
 
 
 def test_gradient_slerp_over_one_slice_runs_unchanged(deep, tmp_path):

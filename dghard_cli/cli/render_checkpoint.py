@@ -121,7 +121,11 @@ def render_merge(console: Console, doc: dict) -> None:
         if (q.scalar or q.kind == registry.BOOL) and q.name in p
     }
     if shown:
-        t.add_row("parameters", ", ".join(f"{k}={v}" for k, v in shown.items()))
+        varies = set(p.get("varies_per_tensor", ()))
+        t.add_row(
+            "parameters",
+            ", ".join(f"{k}={registry.VARIES if k in varies else v}" for k, v in shown.items()),
+        )
     if "kept_fraction" in m:
         t.add_row("kept", ", ".join(f"{100 * k:.2f} %" for k in m["kept_fraction"]) + " of each delta")
     if "sign_conflicts" in m:

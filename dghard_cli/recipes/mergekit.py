@@ -62,10 +62,21 @@ __all__ = ["TensorParameters", "is_mergekit", "translate", "varies"]
 
 OTHER_METHODS = ("linear", "slerp", "model_stock")
 SUPPORTED = (*OTHER_METHODS[:1], *GTA, *OTHER_METHODS[1:])
+#: mergekit 0.1.5's merge methods that dghard does not run, each with the nearest dghard method
 NOT_HERE = {
-    "passthrough": "passthrough stacks layers (a frankenmerge); dghard merges whole models of one architecture",
-    "nuslerp": "nuslerp is not in dghard; slerp is",
-    "multislerp": "multislerp is not in dghard; slerp (two models) is",
+    "passthrough": "passthrough stacks layers (a frankenmerge); dghard merges whole models of one "
+    "architecture (nearest: none)",
+    "nuslerp": "nuslerp is not in dghard; the nearest is slerp (merge_method: slerp, t: ...)",
+    "multislerp": "multislerp is not in dghard; the nearest is slerp (base_model and one other model)",
+    "karcher": "karcher (the mean on the sphere) is not in dghard; the nearest is linear "
+    "(dghard task-arithmetic with equal weights)",
+    "sce": "sce is not in dghard; the nearest is ties (trim, elect signs, disjoint merge)",
+    "ram": "ram is not in dghard; the nearest is ties (a disjoint merge of the task vectors)",
+    "ramplus_tl": "ramplus_tl is not in dghard; the nearest is ties (a disjoint merge of the task vectors)",
+    "nearswap": "nearswap is not in dghard; the nearest is wise-ft (merge_method: linear with base_model "
+    "and one model: one interpolation weight for every element)",
+    "arcee_fusion": "arcee_fusion is not in dghard; the nearest is breadcrumbs (only the task vector's "
+    "selected entries)",
 }
 
 

@@ -18,6 +18,7 @@ import sys
 import torch
 
 from dghard_cli._version import __version__
+from dghard_cli.methods import registry
 
 SCHEMA_VERSION = 1
 
@@ -216,7 +217,10 @@ def model_card(report: dict) -> str:
     lines += ["", "## Parameters", "", "```json"]
     import json
 
-    lines += [json.dumps(report["parameters"], indent=2), "```", "", "## Result", ""]
+    shown = dict(report["parameters"])
+    for k in shown.pop("varies_per_tensor", []):  # one tensor's value is not the recipe's
+        shown[k] = registry.VARIES
+    lines += [json.dumps(shown, indent=2), "```", "", "## Result", ""]
     if s.get("verdict"):
         lines += [f"**{s['verdict']}**", ""]
     lines.append(
