@@ -128,3 +128,54 @@ def test_an_adapter_of_a_hub_base_keeps_the_hub_id(tmp_path):
     assert base_reference(ck) == ("org/tiny-llama", "hub id")
     ck = Checkpoint(snapshot, source=str(snapshot))
     assert base_reference(ck) == (str(snapshot.resolve()), "absolute path")
+
+
+# -- item 6: a merge does not claim to be its first fine-tune ------------------------------------------------
+FT1_ALONE = {
+    "scenario_note.json": '{"note": "FT #1 was trained on legal text"}',
+    "trainer_state.json": '{"global_step": 1200}',
+    "training_args.json": '{"learning_rate": 2e-5}',
+    "README.md": "---\nlicense: mit\n---\n# FT #1, a legal-text fine-tune\n",
+}
+SHARED = {"tokenizer.json": '{"model": {}}', "tokenizer_config.json": "{}", "chat_template.jinja": "{{ m }}"}
+
+
+@pytest.fixture(scope="module")
+def two_fts(tmp_path_factory):
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
+
+    root = tmp_path_factory.mktemp("sides")
+    cfg = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=64)
+    base, ft1 = make_pair(root / "a", cfg, ft_shards=1, seed=0, ft_files={**FT1_ALONE, **SHARED})
+    _, ft2 = make_pair(root / "b", cfg, ft_shards=1, seed=0, delta_seed=3)
+    return base, ft1, ft2
+
+
+def test_a_merge_of_several_copies_only_what_every_input_shares(two_fts, tmp_path):
+    base, ft1, ft2 = two_fts
+    out = tmp_path / "merged"
+    r = cli(
+        "merge", "--method", "task-arithmetic", str(base), str(ft1), str(ft2), "--out", str(out), "--quiet"
+    )
+    assert r.exit_code == 0, r.output
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", *SHARED} <= names
+    assert not {"scenario_note.json", "trainer_state.json", "training_args.json"} & names
+    card = (out / "README.md").read_text()
+    assert "legal-text" not in card and "license: mit" not in card  # FT #1's card is not the merge's
+    assert f"copied from FT #1 (`{ft1}`): " in card and "tokenizer.json" in card
+    assert f"not copied from FT #1 (`{ft1}`) (they describe that model alone): " in card
+    assert "scenario_note.json, trainer_state.json, training_args.json" in card
+    doc = json.loads((out / "dghard_report.json").read_text())
+    assert "FT #1's card" not in doc["output"]["model_card"] and "not used" in doc["output"]["model_card"]
+
+
+def test_a_repair_keeps_its_fine_tunes_side_files_and_card(two_fts, tmp_path):
+    base, ft1, _ = two_fts
+    out = tmp_path / "repaired"
+    r = cli("repair", str(base), str(ft1), str(out), "--quiet")
+    assert r.exit_code == 0, r.output
+    names = {p.name for p in out.iterdir()}
+    assert {"scenario_note.json", "trainer_state.json", *SHARED} <= names
+    card = (out / "README.md").read_text()
+    assert "legal-text" in card and f"copied from FT (`{ft1}`): " in card

@@ -233,5 +233,15 @@ def model_card(report: dict) -> str:
         lines.append(f"- median rank kept: {s['rank_kept_median']}")
     for w in s.get("warnings", []):
         lines.append(f"- warning: {w}")
+    side = report.get("output", {}).get("side_files")
+    if side:
+        lines += ["", "## Files", ""]
+        for entry in side:
+            if entry.get("copied"):
+                lines.append(f"- copied from {entry['from']}: {', '.join(entry['copied'])}")
+            if entry.get("left_out"):
+                lines.append(
+                    f"- not copied from {entry['from']} ({entry['why']}): {', '.join(entry['left_out'])}"
+                )
     lines += ["", "The full per-tensor report is `dghard_report.json` in this directory.", ""]
     return "\n".join(lines)
