@@ -179,3 +179,57 @@ def test_a_repair_keeps_its_fine_tunes_side_files_and_card(two_fts, tmp_path):
     assert {"scenario_note.json", "trainer_state.json", *SHARED} <= names
     card = (out / "README.md").read_text()
     assert "legal-text" in card and f"copied from FT (`{ft1}`): " in card
+
+
+# -- item 7: small things a newcomer trips on --------------------------------------------------------------
+def test_readme_says_report_html_needs_the_plot_extra():
+    row = next(
+        line for line in (REPO / "README.md").read_text().splitlines() if line.startswith("| [`report`]")
+    )
+    assert "pip install 'dghard[plot]'" in row
+
+
+def test_report_html_without_matplotlib_names_the_extra(tmp_path, monkeypatch):
+    import builtins
+
+    tiny = REPO / "examples" / "tiny"
+    out = tmp_path / "rep"
+    assert cli("repair", tiny / "base", tiny / "ft", out, "--quiet").exit_code == 0
+    real = builtins.__import__
+
+    def no_matplotlib(name, *a, **k):
+        if name.startswith("matplotlib"):
+            raise ImportError(name)
+        return real(name, *a, **k)
+
+    monkeypatch.setattr(builtins, "__import__", no_matplotlib)
+    r = cli("report", out, "--html", tmp_path / "r.html")
+    assert r.exit_code == 2 and "pip install 'dghard[plot]'" in r.output
+
+
+def test_the_merge_summary_title_does_not_wrap_at_80_columns(tmp_path, monkeypatch):
+    tiny = REPO / "examples" / "tiny"
+    monkeypatch.chdir(tmp_path)  # a short OUT: the table is narrower than its title
+    r = cli(
+        "merge", "--method", "breadcrumbs-ties", tiny / "base", tiny / "ft", tiny / "ft", "--out", "m",
+        env={"COLUMNS": "80"},
+    )  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "dghard merge: breadcrumbs-ties" in r.output
+    assert not any(line.strip() == "dghard merge:" for line in r.output.splitlines())
+
+
+def test_docs_sweep_example_table_is_the_default_candidates_order():
+    """docs/sweep.md's example is the real output: the default candidate file's first family
+    (the lines family) is what the sweep tries first, and every family in the table is in it."""
+    import yaml
+
+    text = (REPO / "docs" / "sweep.md").read_text()
+    table = text[text.index("dghard sweep\n") :].split("evaluations:")[0].splitlines()[2:]
+    rows = [line.split()[1] for line in table if line.strip()]
+    families = [
+        f["family"]
+        for f in yaml.safe_load((REPO / "dghard_cli/data/sweep-default.yaml").read_text())["families"]
+    ]
+    assert rows[0] == families[0] == "lines"
+    assert set(rows) <= set(families)

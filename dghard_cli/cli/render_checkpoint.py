@@ -24,7 +24,9 @@ def summary_table(report: dict):
     """A short rich table for the terminal."""
 
     s = report["summary"]
-    t = Table(title=f"dghard {report['command']}: {report['method']}", show_header=False, box=None)
+    title = f"dghard {report['command']}: {report['method']}"
+    # a table narrower than its title wraps the title: as wide as the title at least
+    t = Table(title=title, show_header=False, box=None, min_width=len(title))
     t.add_column(style="bold")
     t.add_column()
     t.add_row("tensors", f"{s['tensors']} (" + ", ".join(f"{k} {v}" for k, v in s["actions"].items()) + ")")
