@@ -338,6 +338,7 @@ def merge_cmd(**kw) -> None:
                 else None
             ),
             lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"]),
+            tokenizer_source=recipe.tokenizer_source if recipe is not None else None,
         )
         if rp is not None:  # the recipe and a method's input files (--calib) are inputs too
             given = [("--config", config)]

@@ -54,6 +54,7 @@ from dghard_cli.recipes.mergekit_config import (
     _same,
     is_mergekit,
     slice_layers,
+    tokenizer_source,
     varies,
 )
 from dghard_cli.recipes.mergekit_mapping import GTA, _linear, _task_vectors
@@ -98,6 +99,8 @@ def translate(doc: dict, where: str, at: Where | None = None) -> dict:
     models, scopes, _ = _models(doc, where)
     base = _ref(doc["base_model"], f"{where}: base_model") if doc.get("base_model") is not None else None
     out: dict = {}
+    if tokenizer_source(doc, where) is not None:
+        out["tokenizer_source"] = "base"
     dtype = _dtype(doc, where)
     if dtype is not None:
         out["dtype"] = dtype

@@ -141,17 +141,34 @@ def _refuse_structure(doc: dict, where: str) -> None:
         raise InputError(
             f"{where}: 'modules' (per-module slices) is not supported; list whole models under 'models'"
         )
-    for key in ("tokenizer_source", "tokenizer"):
-        if doc.get(key) is not None:
-            raise InputError(
-                f"{where}: '{key}' asks for tokenizer surgery; dghard does none (the output keeps the first "
-                f"fine-tune's tokenizer files): remove '{key}'"
-            )
+    tokenizer_source(doc, where)
     if doc.get("chat_template") is not None:
         raise InputError(
             f"{where}: 'chat_template' is not supported (the output keeps the first fine-tune's tokenizer "
             "files and template): remove it"
         )
+
+
+def tokenizer_source(doc: dict, where: str) -> str | None:
+    """``base`` when the recipe asks for the base model's tokenizer (``tokenizer_source: base``,
+    the base model's own name, or ``tokenizer: {source: base}``): a no-op when every model shares
+    the base's vocabulary, which the merge checks. Anything else is tokenizer surgery: refused."""
+    value, key = doc.get("tokenizer_source"), "tokenizer_source"
+    if doc.get("tokenizer") is not None:
+        tok, key = doc["tokenizer"], "tokenizer"
+        if value is not None or not isinstance(tok, dict) or set(tok) != {"source"}:
+            value = tok if value is None else value
+        else:
+            value = tok["source"]
+    if value is None:
+        return None
+    if value == "base" or (isinstance(value, str) and value == doc.get("base_model")):
+        return "base"
+    raise InputError(
+        f"{where}: '{key}: {value}' asks for tokenizer surgery; dghard does none: it takes "
+        "'tokenizer_source: base' (or the base model's own name) when every model shares the base's "
+        f"vocabulary; remove '{key}'"
+    )
 
 
 def _dtype(doc: dict, where: str) -> str | None:
