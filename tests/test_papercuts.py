@@ -233,3 +233,16 @@ def test_docs_sweep_example_table_is_the_default_candidates_order():
     ]
     assert rows[0] == families[0] == "lines"
     assert set(rows) <= set(families)
+
+
+def test_merge_help_fits_80_columns_with_the_method_parameters_in_panels():
+    r = cli("merge", "--help", env={"COLUMNS": "80", "TERM": "dumb"})
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    assert not [line for line in lines if "…" in line]  # no option name or help word cut short
+    assert all(len(line) <= 80 for line in lines)
+    panels = [line for line in lines if line.startswith("╭─ ")]
+    assert any(p.startswith("╭─ Parameters of recall ─") for p in panels)
+    assert any(p.startswith("╭─ Parameters of every method ─") for p in panels)
+    assert all(re.match(r"^╭─ .* ─+╮$", p) for p in panels), panels  # no panel title cut short
+    assert len(lines) < 240
