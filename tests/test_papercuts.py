@@ -246,3 +246,47 @@ def test_merge_help_fits_80_columns_with_the_method_parameters_in_panels():
     assert any(p.startswith("╭─ Parameters of every method ─") for p in panels)
     assert all(re.match(r"^╭─ .* ─+╮$", p) for p in panels), panels  # no panel title cut short
     assert len(lines) < 240
+
+
+# -- item 5: mergekit's model+lora references, read through the adapter reader ------------------------------
+def test_a_mergekit_model_plus_lora_reference_is_the_adapter_as_fine_tune(tmp_path):
+    from safetensors.torch import load_file
+
+    base = tiny_llama(tmp_path / "base")
+    a1, a2 = tiny_adapter(base, tmp_path / "a1", seed=1), tiny_adapter(base, tmp_path / "a2", seed=2)
+    recipe = tmp_path / "mk.yml"
+    recipe.write_text(
+        f"merge_method: task_arithmetic\nbase_model: {base}\nmodels:\n"
+        f"  - model: {base}+{a1}\n    parameters: {{weight: 1.0}}\n"
+        f"  - model: {base}+{a2}\n    parameters: {{weight: 0.5}}\n"
+    )
+    r = cli("merge", "--config", recipe, "--out", tmp_path / "from-recipe", "--quiet")
+    assert r.exit_code == 0, r.output
+    r = cli(
+        "merge",
+        "--method",
+        "task-arithmetic",
+        "--weights",
+        "1,0.5",
+        base,
+        a1,
+        a2,
+        "--out",
+        tmp_path / "direct",
+    )
+    assert r.exit_code == 0, r.output
+    got = load_file(str(tmp_path / "from-recipe" / "adapter_model.safetensors"))
+    want = load_file(str(tmp_path / "direct" / "adapter_model.safetensors"))
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    PeftModel.from_pretrained(LlamaForCausalLM.from_pretrained(str(base)), str(tmp_path / "from-recipe"))
+
+
+def test_a_model_plus_lora_reference_on_another_model_is_one_line(tmp_path):
+    recipe = tmp_path / "mk.yml"
+    recipe.write_text(
+        "merge_method: task_arithmetic\nbase_model: org/base\nmodels:\n  - model: org/other+org/adapter\n"
+    )
+    r = cli("merge", "--config", recipe, "--out", tmp_path / "m")
+    assert r.exit_code == 2
+    lines = [line for line in r.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "'org/other', which is not base_model ('org/base')" in lines[0], r.output

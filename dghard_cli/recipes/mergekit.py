@@ -9,8 +9,9 @@ it meant under mergekit. Parameters that vary by layer or tensor — gradients (
 evaluates them (:class:`TensorParameters`), and a ``slices`` recipe whose one slice takes every
 layer of every source is a whole-model merge. What dghard does not do is a one-line
 :class:`InputError` naming the key: layer-range assembly and passthrough (frankenmerges), MoE
-configurations, tokenizer surgery and chat templates, LoRA model references, methods dghard
-does not have.
+configurations, tokenizer surgery and chat templates, methods dghard does not have. A
+``model+lora`` reference is read as the adapter, a fine-tune of ``model`` (which must be
+``base_model``).
 
 Method mapping (mergekit → dghard):
 
@@ -53,6 +54,7 @@ from dghard_cli.recipes.mergekit_config import (
     _refuse_structure,
     _same,
     is_mergekit,
+    lora_references,
     slice_layers,
     tokenizer_source,
     varies,
@@ -87,6 +89,7 @@ def translate(doc: dict, where: str, at: Where | None = None) -> dict:
     filter, layer fraction 0); InputError (one line, naming the key) for what dghard does not do."""
     at = at or Where()
     _refuse_structure(doc, where)
+    doc = lora_references(doc, where)
     method = doc.get("merge_method")
     if not isinstance(method, str):
         raise InputError(f"{where}: 'merge_method' must be the name of a mergekit merge method")
