@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dghard_cli.architecture import VOCAB_EMBEDDING
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
@@ -77,6 +78,41 @@ class MergeOptions:
     #: parameter values by name``, see :mod:`dghard_cli.methods.per_tensor`
     tensor_parameters: TensorParameterSource | None = None
     lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
+    #: ``base``: a mergekit recipe's ``tokenizer_source: base``, a no-op when every model shares
+    #: BASE's vocabulary (checked; refused otherwise)
+    tokenizer_source: str | None = None
+
+
+def vocabulary_size(ck: Checkpoint) -> int | None:
+    """The token-embedding rows of a checkpoint (None: no token embedding found)."""
+    for name, info in ck.tensors.items():
+        if VOCAB_EMBEDDING.search(name) and len(info.shape) == 2:
+            return int(info.shape[0])
+    return None
+
+
+def check_shared_vocabulary(base: Checkpoint, fts: list[Checkpoint], where: str) -> str:
+    """``tokenizer_source: base`` is a no-op when every fine-tune has BASE's vocabulary (as
+    many token-embedding rows); the note the report carries, or InputError (one line)."""
+    n_base = vocabulary_size(base)
+    for i, ft in enumerate(fts, 1):
+        n = vocabulary_size(ft)
+        if n != n_base:
+            raise InputError(
+                f"{where}: FT #{i} ({ft.source}) has {n} tokens, BASE {n_base}: taking BASE's tokenizer "
+                "would need tokenizer surgery, which dghard does not do; remove 'tokenizer_source'"
+            )
+    return f"base: every model has BASE's vocabulary ({n_base} tokens), so BASE's tokenizer is FT #1's"
+
+
+def varying_parameters(sets: dict[str, tuple[dict, dict]]) -> list[str]:
+    """The parameters whose value is not the same for every tensor (a recipe's gradients and
+    filters): the report's ``parameters`` holds one tensor's value of them, not the recipe's."""
+    seen: dict[str, set[str]] = {}
+    for p, _ in sets.values():
+        for k, v in p.items():
+            seen.setdefault(k, set()).add(repr(v))
+    return sorted(k for k, vs in seen.items() if len(vs) > 1)
 
 
 def canonical_method(method: str) -> str:
@@ -186,10 +222,13 @@ def merge(
             timings["calibration"] = time.perf_counter() - t1
             extra["recall"] = recall_w.report()
         parameters = {**p, **policy_parameters(opts.policy)}
+        if opts.tokenizer_source is not None:
+            parameters["tokenizer_source"] = check_shared_vocabulary(base_ck, ft_cks, "tokenizer_source")
         sets = None
         if opts.tensor_parameters is not None:  # validated for every tensor before anything is written
             sets = tensor_parameter_sets(plan, opts, len(fts), resolve_parameters)
             parameters["per_tensor"] = "varies by tensor (the recipe's gradients/filters): see each tensor"
+            parameters["varies_per_tensor"] = varying_parameters(sets)
 
         def make_op(device):
             if sets is None:

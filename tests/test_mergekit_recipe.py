@@ -354,10 +354,12 @@ REFUSED = {
         "  - source_model: OpenPipe/mistral-ft-optimized-1218\n",
         "'gate_mode' is a mergekit-moe",
     ),
-    "tokenizer": (TIES + "tokenizer_source: union\n", "'tokenizer_source' asks for tokenizer surgery"),
+    "tokenizer": (TIES + "tokenizer_source: union\n", "'tokenizer_source: union' asks for tokenizer surgery"),
+    "tokenizer-other-model": (TIES + "tokenizer_source: OpenPipe/mistral-ft-optimized-1218\n", "asks for tokenizer surgery"),
     "chat-template": (TIES + "chat_template: chatml\n", "'chat_template'"),
     "lora": (SLERP.replace("NeuralHermes-2.5-Mistral-7B\n", "NeuralHermes-2.5-Mistral-7B+some/lora\n", 1), "LoRA"),
-    "unknown-method": (SLERP.replace("merge_method: slerp", "merge_method: karcher"), "'karcher' is not one dghard runs"),
+    "unknown-method": (SLERP.replace("merge_method: slerp", "merge_method: karcher"), "karcher (the mean on the sphere) is not in dghard; the nearest is linear"),
+    "not-mergekit-method": (SLERP.replace("merge_method: slerp", "merge_method: frobnicate"), "'frobnicate' is not one dghard runs"),
     "no-rescale": (TIES.replace("merge_method: ties", "merge_method: dare_ties").replace("normalize: true", "rescale: false"), "'rescale: false'"),
     "no-base": (TIES.replace("base_model: mistralai/Mistral-7B-v0.1\n", ""), "needs 'base_model'"),
     "slerp-three": (SLERP.replace("merge_method", "  - model: teknium/OpenHermes-2.5-Mistral-7B\nmerge_method", 1), "one other model; got 2"),
@@ -479,6 +481,65 @@ parameters:
     - value: 0.5
 dtype: float32
 """
+
+
+@pytest.mark.parametrize(
+    "line",
+    ["tokenizer_source: base", "tokenizer_source: mistralai/Mistral-7B-v0.1", "tokenizer: {source: base}"],
+)
+def test_tokenizer_source_base_is_a_no_op_when_every_model_shares_the_vocabulary(tree, tmp_path, line):
+    res, out = run_recipe(tree, tmp_path, TIES + line + "\n")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.stdout)
+    assert doc["parameters"]["tokenizer_source"].startswith("base: every model has BASE's vocabulary")
+    assert "tokenizer_source" in (out / "README.md").read_text()
+
+
+def test_tokenizer_source_base_with_another_vocabulary_is_one_line(tmp_path):
+    cfg = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, vocab_size=64)
+    base, a = make_pair(tmp_path / "a", cfg, ft_shards=1, seed=0, ft_vocab=72)
+    _, b = make_pair(tmp_path / "b", cfg, ft_shards=1, seed=0, delta_seed=2)
+    text = TIES.replace(HUB["base"], str(base)).replace(HUB["a"], str(a)).replace(HUB["b"], str(b))
+    path = tmp_path / "r.yml"
+    path.write_text(text + "tokenizer_source: base\n")
+    res = CliRunner().invoke(app, ["merge", "--config", str(path), "--out", str(tmp_path / "m")])
+    assert res.exit_code == 2
+    lines = [line for line in res.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and "FT #1" in lines[0] and "72 tokens, BASE 64" in lines[0], res.output
+    assert not (tmp_path / "m").exists()
+
+
+#: mergekit 0.1.5's merge methods (its docs/merge_methods.md) that dghard does not run
+MERGEKIT_ONLY = ("nuslerp", "multislerp", "karcher", "sce", "ram", "ramplus_tl", "nearswap", "arcee_fusion")
+
+
+@pytest.mark.parametrize("method", MERGEKIT_ONLY)
+def test_a_mergekit_method_dghard_lacks_names_the_nearest_dghard_method(method):
+    from dghard_cli.methods import registry
+
+    doc = yaml.safe_load(SLERP.replace("merge_method: slerp", f"merge_method: {method}"))
+    with pytest.raises(InputError) as e:
+        translate(doc, "r.yml")
+    msg = str(e.value)
+    assert "\n" not in msg and f"merge_method {method}:" in msg
+    nearest = msg.split("the nearest is ")[1].split(" ")[0]
+    assert nearest in registry.method_names() or nearest == "linear"  # linear: mergekit's own, mapped
+
+
+def test_a_gradient_recipe_prints_no_tensors_values_as_the_recipes(deep, tmp_path):
+    """The terminal summary and the model card say the weights vary, not one tensor's weights."""
+    path = tmp_path / "mergekit.yml"
+    path.write_text(local(MERGEKIT_README_TIES, deep))
+    out = tmp_path / "merged"
+    res = CliRunner().invoke(app, ["merge", "--config", str(path), "--out", str(out)], env={"COLUMNS": "200"})
+    assert res.exit_code == 0, res.output
+    assert "weights=varies per tensor (see the report)" in res.output
+    assert "weights=[" not in res.output
+    card = (out / "README.md").read_text()
+    assert '"weights": "varies per tensor (see the report)"' in card
+    report = json.loads((out / "dghard_report.json").read_text())
+    assert "weights" in report["parameters"]["varies_per_tensor"]
+    assert "lambda" not in report["parameters"]["varies_per_tensor"]
 
 
 def test_gradient_slerp_over_one_slice_runs_unchanged(deep, tmp_path):

@@ -164,15 +164,31 @@ _PY_TYPES = {
 }
 
 
+def _panel(param: registry.Param) -> str:
+    """The help panel of a method parameter: the methods that take it."""
+    takers = [m.name for m in registry.methods().values() if param.name in m.params]
+    if not takers or len(takers) == len(registry.methods()):
+        return "Parameters of every method"
+    title = "Parameters of " + takers[0]
+    for i, name in enumerate(takers[1:], 1):
+        rest = len(takers) - i - 1
+        if len(title) + len(name) + 2 + (12 if rest else 0) > 70:  # fits an 80-column panel border
+            return f"{title} and {len(takers) - i} more"
+        title += f", {name}"
+    return title
+
+
 def _option(
-    name: str, kind: str, flag: str, help_text: str, values: tuple[str, ...] = ()
+    name: str, kind: str, flag: str, help_text: str, values: tuple[str, ...] = (), panel: str | None = None
 ) -> inspect.Parameter:
     tp = Optional[_PY_TYPES[kind]]  # noqa: UP045 - typer reads the annotation at run time
     metavar = choices(values) if values else None
     if kind == registry.BOOL:  # a switch either way; not given: the method's default
-        option = typer.Option(f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False)
+        option = typer.Option(
+            f"{flag}/--no-{flag[2:]}", help=help_text, show_default=False, rich_help_panel=panel
+        )
     else:
-        option = typer.Option(flag, help=help_text, metavar=metavar)
+        option = typer.Option(flag, help=help_text, metavar=metavar, rich_help_panel=panel)
     return inspect.Parameter(
         name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Annotated[tp, option]
     )
@@ -192,11 +208,11 @@ def _param_options() -> list[inspect.Parameter]:
     for q in registry.params().values():
         if q.kind == registry.MAPPING:
             out += [
-                _option(_sub_name(q, sub), sub.kind, _sub_flag(q, sub), sub.help, sub.choices)
+                _option(_sub_name(q, sub), sub.kind, _sub_flag(q, sub), sub.help, sub.choices, _panel(q))
                 for sub in q.sub
             ]
         else:
-            out.append(_option(f"param_{q.name}", q.kind, q.cli_flag, q.help))
+            out.append(_option(f"param_{q.name}", q.kind, q.cli_flag, q.help, panel=_panel(q)))
     return out
 
 
@@ -340,6 +356,7 @@ def merge_cmd(**kw) -> None:
                 else None
             ),
             lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"], kw["allow_lossy"]),
+            tokenizer_source=recipe.tokenizer_source if recipe is not None else None,
         )
         if rp is not None:  # the recipe and a method's input files (--calib) are inputs too
             given = [("--config", config)]

@@ -24,7 +24,9 @@ def summary_table(report: dict):
     """A short rich table for the terminal."""
 
     s = report["summary"]
-    t = Table(title=f"dghard {report['command']}: {report['method']}", show_header=False, box=None)
+    title = f"dghard {report['command']}: {report['method']}"
+    # a table narrower than its title wraps the title: as wide as the title at least
+    t = Table(title=title, show_header=False, box=None, min_width=len(title))
     t.add_column(style="bold")
     t.add_column()
     t.add_row("tensors", f"{s['tensors']} (" + ", ".join(f"{k} {v}" for k, v in s["actions"].items()) + ")")
@@ -121,7 +123,11 @@ def render_merge(console: Console, doc: dict) -> None:
         if (q.scalar or q.kind == registry.BOOL) and q.name in p
     }
     if shown:
-        t.add_row("parameters", ", ".join(f"{k}={v}" for k, v in shown.items()))
+        varies = set(p.get("varies_per_tensor", ()))
+        t.add_row(
+            "parameters",
+            ", ".join(f"{k}={registry.VARIES if k in varies else v}" for k, v in shown.items()),
+        )
     if "kept_fraction" in m:
         t.add_row("kept", ", ".join(f"{100 * k:.2f} %" for k in m["kept_fraction"]) + " of each delta")
     if "sign_conflicts" in m:

@@ -34,6 +34,7 @@ from dghard_cli.io.output import (
     check_out_path,
     list_side_files,
     read_side_text,
+    split_side_files,
 )
 from dghard_cli.io.paths import RESERVED_NAMES, Output, check_outputs, check_shard_names
 from dghard_cli.io.verify import verify_dir
@@ -224,7 +225,9 @@ class _ModelWrite:
         check_shard_names(plan.shards, f"FT {where}" if fts[0].index_file else f"FT {fts[0].path}")
         # an adapter FT (lora.source) takes BASE's config and tokenizer, then its own tokenizer
         ft = fts[0]
-        self.side_sources = getattr(ft, "side_file_sources", lambda: [(ft.path, set(ft.shards))])()
+        sources = getattr(ft, "side_file_sources", lambda: [(ft.path, set(ft.shards))])()
+        # a merge of several fine-tunes is not FT #1: FT #1's training notes and card stay behind
+        self.side_sources, self.side_left_out = split_side_files(sources, several=len(fts) > 1)
         self.side = [entry for d, skip in self.side_sources for entry in list_side_files(d, skip)]
         check_report_path(self.out, run.report_path, base, fts, set(plan.shards) | {n for n, _ in self.side})
 
@@ -353,15 +356,49 @@ class _ModelWrite:
                         "weight_map": dict(sorted(weight_map.items())),
                     },
                 )
-            copied = sorted({n for d, skip in self.side_sources for n in stage.copy_side_files(d, skip)})
+            self.side_from: dict[str, Path] = {}
+            for d, skip in self.side_sources:
+                for n in stage.copy_side_files(d, skip):
+                    self.side_from[n] = Path(d)  # a later source's file replaces an earlier one's
+            copied = sorted(self.side_from)
         except OSError as exc:
             raise _io_failure(exc, stage, "copying the fine-tune's side files") from None
-        card_source = read_side_text(self.fts[0].path, "README.md")
+        if len(self.fts) > 1:
+            card_source = (
+                None,
+                "not used: it describes FT #1 alone, and this is a merge of several fine-tunes",
+            )
+        else:
+            card_source = read_side_text(self.fts[0].path, "README.md")
         expected = {j.name: (j.out_dtype, j.shape) for j in plan.jobs}
         verify_dir(stage.dir, expected=expected)
         self.timings["verify"] = time.perf_counter() - t1
         self.timings["total"] = self._total()
         return copied, card_source
+
+    def _input_label(self, d: Path) -> str:
+        """``FT #1 (`source`)``, ``FT (`source`)`` or ``BASE (`source`)`` for a side files' directory."""
+        for i, f in enumerate(self.fts, 1):
+            if Path(f.path) == d:
+                return f"FT{f' #{i}' if len(self.fts) > 1 else ''} (`{f.source}`)"
+        if Path(self.base.path) == d:
+            return f"BASE (`{self.base.source}`)"
+        return f"`{d}`"
+
+    def side_file_summary(self, copied: list[str]) -> list[dict]:
+        """Where each side file came from, and those left out (a merge of several fine-tunes)."""
+        by_dir: dict[Path, list[str]] = {}
+        for n in copied:
+            by_dir.setdefault(self.side_from[n], []).append(n)
+        out = [{"from": self._input_label(d), "copied": names} for d, names in by_dir.items()]
+        left: dict[Path, list[str]] = {}
+        for n, d in self.side_left_out:
+            left.setdefault(d, []).append(n)
+        out += [
+            {"from": self._input_label(d), "left_out": sorted(names), "why": "they describe that model alone"}
+            for d, names in left.items()
+        ]
+        return out
 
     def report(
         self,
@@ -379,6 +416,7 @@ class _ModelWrite:
             "bytes": plan.out_bytes,
             "index": plan.write_index,
             "copied_files": copied,
+            "side_files": self.side_file_summary(copied),
             "resumed": bool(stage.resumed),
             "resumed_tensors": self.resumed_tensors,
             "resumed_shards": stage.resumed,

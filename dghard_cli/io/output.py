@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import weakref
 from dataclasses import dataclass
@@ -33,6 +34,14 @@ INDEX_NAME = "model.safetensors.index.json"
 #: Files copied from the fine-tune next to the weights (configs, tokenizer, chat template).
 SIDE_FILE_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken", ".py")
 SIDE_FILE_SKIP = {"dghard_report.json", "sweep_report.json", "README.md"}
+#: Side files a merge of several fine-tunes takes from FT #1: what every input shares (the
+#: architecture's config, generation settings, tokenizer and chat template, remote code). Any
+#: other side file (training arguments, trainer state, evaluation results, notes) describes FT #1
+#: alone, and a merge is not FT #1: it is left out (a repair, or a merge of one fine-tune, keeps it).
+SHARED_SIDE_FILE = re.compile(
+    r"^(config\.json|generation_config\.json|preprocessor_config\.json|tokenizer.*|special_tokens_map\.json"
+    r"|added_tokens\.json|chat_template.*|vocab.*|merges.*|.*\.model|.*\.tiktoken|.*\.py)$"
+)
 #: Largest side file read as text (the fine-tune's README.md); side files copied are copied in full.
 SIDE_FILE_MAX = 64 * 1024 * 1024
 #: Room left free on OUT's filesystem beyond the bytes to write (metadata, journal, reports).
@@ -145,6 +154,22 @@ def list_side_files(
         st = files.check_input_file(p, what=f"side file {name}", roots=roots)
         out.append((name, st.st_size))
     return out
+
+
+def split_side_files(
+    sources: list[tuple[Path, set[str]]], several: bool
+) -> tuple[list[tuple[Path, set[str]]], list[tuple[str, Path]]]:
+    """``(sources, left out)``: for a merge of several fine-tunes (``several``) the side files
+    that describe one model alone (not :data:`SHARED_SIDE_FILE`) are added to each source's skip
+    set and listed as ``(name, directory)``; otherwise the sources unchanged and nothing left out."""
+    if not several:
+        return sources, []
+    kept, left_out = [], []
+    for d, skip in sources:
+        names = [n for n, _ in list_side_files(d, skip) if not SHARED_SIDE_FILE.match(n)]
+        left_out += [(n, Path(d)) for n in names]
+        kept.append((d, set(skip) | set(names)))
+    return kept, left_out
 
 
 @dataclass

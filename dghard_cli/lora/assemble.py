@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
 
 import torch
 
@@ -35,6 +36,19 @@ def ties_embeddings(ck: Checkpoint) -> bool:
     if isinstance(text, dict) and "tie_word_embeddings" in text:
         tie = tie or bool(text["tie_word_embeddings"])
     return tie
+
+
+def base_reference(base: Checkpoint) -> tuple[str, str]:
+    """How the adapter names its base (``base_model_name_or_path``) and which kind that is.
+
+    A Hub id stays a Hub id (``hub id``); a directory is recorded as its absolute path
+    (``absolute path``), so PEFT finds it from any working directory -- the command-line string
+    (``base``, ``../models/base``) means something only where the command ran.
+    """
+    given = Path(base.source).expanduser()
+    if given.is_dir() and given.resolve() == base.path.resolve():
+        return str(given.resolve()), "absolute path"
+    return base.source, "hub id"
 
 
 def assemble(
@@ -116,13 +130,14 @@ def assemble(
                 items.append((f"{PEFT_PREFIX}{n}", info))
     lora_units = [rec for _, rec in lora.values()]
     fan_in_fan_out = any(r.get("transposed") and not r.get("embedding") for r in lora_units)
+    base_name, base_kind = base_reference(base)
     config = adapter_config(
         ranks=ranks,
         modules=modules,
         modules_to_save=sorted(modules_to_save),
         bias="lora_only" if lora_bias else "none",
         fan_in_fan_out=fan_in_fan_out,
-        base_model=base.source,
+        base_model=base_name,
         revision=base.revision,
         task_type=task_type(ctx.base, ctx.fts),
         tie_embeddings=bool(tied_lora),
@@ -147,6 +162,8 @@ def assemble(
         ),
         "route": "exact" if ctx.exact else "factored",
         "dora": use_dora,
+        "base_model_name_or_path": base_name,
+        "base_reference": base_kind,
     }
     return items, config, summary
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 def adapter_card(doc: dict) -> str:
     """README.md of an adapter output: what was done and how to load it."""
     a = doc.get("adapter", {})
-    base = doc["inputs"]["base"]["source"]
+    base = a.get("base_model_name_or_path") or doc["inputs"]["base"]["source"]
+    given = doc["inputs"]["base"]["source"]
+    if a.get("base_reference") == "absolute path":
+        where = f"BASE (`{given}` on the command line) is recorded as the absolute path `{base}`; "
+        where += "copy the base there, or edit `base_model_name_or_path` in adapter_config.json, to load it elsewhere"
+    else:
+        where = f"BASE is the Hugging Face Hub model `{base}`"
     mib = (a.get("bytes") or 0) / 2**20
     full = (a.get("full_checkpoint_bytes") or 0) / 2**20
     lines = [
@@ -25,6 +31,7 @@ def adapter_card(doc: dict) -> str:
         f"- {a.get('lora_modules', 0)} LoRA modules (rank median {a.get('rank_median')}, max {a.get('rank_max')}; "
         f"scaling 1), {a.get('full_tensors', 0)} full tensors"
         + (f" (modules_to_save: {', '.join(a['modules_to_save'])})" if a.get("modules_to_save") else ""),
+        f"- base model: {where}",
         f"- {mib:.2f} MiB, against {full:.2f} MiB for the full checkpoint",
         f"- largest share of a module's update lost to the rank cut: {a.get('energy_lost_max', 0):.3g}",
         (

@@ -5,7 +5,7 @@
 - **format**: ``--format peft`` writes an adapter; ``--merge`` (only with adapter inputs) and
   ``--format full`` a full checkpoint; by default a run whose fine-tunes are all adapters writes
   an adapter, any other a full checkpoint;
-- **spectral methods on adapters are degenerate** (SPEC §4): an adapter's update ``B·A`` has
+- **spectral methods on adapters are degenerate**: an adapter's update ``B·A`` has
   exactly r non-zero singular values, so the unknown-noise cut (from the median singular value)
   means nothing there; that is a one-line error offering what works — strengths (exact in
   adapter form), ``--noise known --sigma S`` (a defined threshold), or ``--merge``: repair the
@@ -228,8 +228,8 @@ def degenerate_message(ft: Checkpoint, command: str) -> str:
         offer += ", threshold it at a known noise level with `--noise known --sigma S`"
     return (
         f"FT {ft.source} is a PEFT LoRA adapter (rank {ranks}): its update B·A has only r non-zero "
-        "singular values, so DG-Hard's unknown-noise cut (the median singular value) is undefined on it "
-        f"(SPEC §4); {offer}, or add --merge to {command} the merged checkpoint (LoRA modules are then "
+        "singular values, so DG-Hard's unknown-noise cut (the median singular value) is undefined on it; "
+        f"{offer}, or add --merge to {command} the merged checkpoint (LoRA modules are then "
         "reported low-rank and keep their update, full tensors get the cut)"
     )
 

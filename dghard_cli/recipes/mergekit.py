@@ -9,8 +9,9 @@ it meant under mergekit. Parameters that vary by layer or tensor — gradients (
 evaluates them (:class:`TensorParameters`), and a ``slices`` recipe whose one slice takes every
 layer of every source is a whole-model merge. What dghard does not do is a one-line
 :class:`InputError` naming the key: layer-range assembly and passthrough (frankenmerges), MoE
-configurations, tokenizer surgery and chat templates, LoRA model references, methods dghard
-does not have.
+configurations, tokenizer surgery and chat templates, methods dghard does not have. A
+``model+lora`` reference is read as the adapter, a fine-tune of ``model`` (which must be
+``base_model``).
 
 Method mapping (mergekit → dghard):
 
@@ -53,7 +54,9 @@ from dghard_cli.recipes.mergekit_config import (
     _refuse_structure,
     _same,
     is_mergekit,
+    lora_references,
     slice_layers,
+    tokenizer_source,
     varies,
 )
 from dghard_cli.recipes.mergekit_mapping import GTA, _linear, _task_vectors
@@ -62,10 +65,21 @@ __all__ = ["TensorParameters", "is_mergekit", "translate", "varies"]
 
 OTHER_METHODS = ("linear", "slerp", "model_stock")
 SUPPORTED = (*OTHER_METHODS[:1], *GTA, *OTHER_METHODS[1:])
+#: mergekit 0.1.5's merge methods that dghard does not run, each with the nearest dghard method
 NOT_HERE = {
-    "passthrough": "passthrough stacks layers (a frankenmerge); dghard merges whole models of one architecture",
-    "nuslerp": "nuslerp is not in dghard; slerp is",
-    "multislerp": "multislerp is not in dghard; slerp (two models) is",
+    "passthrough": "passthrough stacks layers (a frankenmerge); dghard merges whole models of one "
+    "architecture (nearest: none)",
+    "nuslerp": "nuslerp is not in dghard; the nearest is slerp (merge_method: slerp, t: ...)",
+    "multislerp": "multislerp is not in dghard; the nearest is slerp (base_model and one other model)",
+    "karcher": "karcher (the mean on the sphere) is not in dghard; the nearest is linear "
+    "(dghard task-arithmetic with equal weights)",
+    "sce": "sce is not in dghard; the nearest is ties (trim, elect signs, disjoint merge)",
+    "ram": "ram is not in dghard; the nearest is ties (a disjoint merge of the task vectors)",
+    "ramplus_tl": "ramplus_tl is not in dghard; the nearest is ties (a disjoint merge of the task vectors)",
+    "nearswap": "nearswap is not in dghard; the nearest is wise-ft (merge_method: linear with base_model "
+    "and one model: one interpolation weight for every element)",
+    "arcee_fusion": "arcee_fusion is not in dghard; the nearest is breadcrumbs (only the task vector's "
+    "selected entries)",
 }
 
 
@@ -75,6 +89,7 @@ def translate(doc: dict, where: str, at: Where | None = None) -> dict:
     filter, layer fraction 0); InputError (one line, naming the key) for what dghard does not do."""
     at = at or Where()
     _refuse_structure(doc, where)
+    doc = lora_references(doc, where)
     method = doc.get("merge_method")
     if not isinstance(method, str):
         raise InputError(f"{where}: 'merge_method' must be the name of a mergekit merge method")
@@ -87,6 +102,8 @@ def translate(doc: dict, where: str, at: Where | None = None) -> dict:
     models, scopes, _ = _models(doc, where)
     base = _ref(doc["base_model"], f"{where}: base_model") if doc.get("base_model") is not None else None
     out: dict = {}
+    if tokenizer_source(doc, where) is not None:
+        out["tokenizer_source"] = "base"
     dtype = _dtype(doc, where)
     if dtype is not None:
         out["dtype"] = dtype

@@ -33,8 +33,8 @@ def _ref(value: object, where: str) -> dict:
         raise InputError(f"{where}: must be a model path or Hub id (a string), got {value!r}")
     if "+" in value:
         raise InputError(
-            f"{where}: {value!r} applies a LoRA adapter (model+lora); dghard merges full checkpoints "
-            "(merge the adapter into its base first)"
+            f"{where}: {value!r}: a LoRA reference (model+lora) is a fine-tune under 'models' whose "
+            "model is base_model"
         )
     if value.count("@") > 1:
         raise InputError(f"{where}: {value!r} has more than one '@' (use name@revision)")
@@ -43,6 +43,51 @@ def _ref(value: object, where: str) -> dict:
     if rev:
         out["revision"] = rev
     return out
+
+
+def lora_references(doc: dict, where: str) -> dict:
+    """The recipe with each ``model+adapter`` reference replaced by the adapter (dghard reads a
+    PEFT LoRA adapter as the fine-tune it makes of its base), after checking that the model
+    before ``+`` is ``base_model``: an adapter applies to the model it was trained on."""
+    base = doc.get("base_model")
+    base_name = base if isinstance(base, str) else None
+
+    def swap(value: object, w: str) -> object:
+        if not isinstance(value, str) or "+" not in value:
+            return value
+        model, _, adapter = value.partition("+")
+        if not model or not adapter or "+" in adapter:
+            raise InputError(f"{w}: {value!r} is not of the form path/to/model+path/to/adapter")
+        if base_name is None or model != base_name.partition("@")[0]:
+            raise InputError(
+                f"{w}: {value!r} applies a LoRA adapter to {model!r}, which is not base_model "
+                f"({base_name!r}); dghard merges fine-tunes of base_model"
+            )
+        return adapter
+
+    def entries(items: object, w: str) -> object:
+        if not isinstance(items, list):
+            return items
+        out = []
+        for i, e in enumerate(items):
+            if isinstance(e, dict) and "model" in e:
+                e = {**e, "model": swap(e["model"], f"{w}[{i}].model")}
+            else:
+                e = swap(e, f"{w}[{i}]")
+            out.append(e)
+        return out
+
+    doc = dict(doc)
+    if "models" in doc:
+        doc["models"] = entries(doc["models"], f"{where}: models")
+    if isinstance(doc.get("slices"), list):
+        doc["slices"] = [
+            {**sl, "sources": entries(sl.get("sources"), f"{where}: slices[{j}].sources")}
+            if isinstance(sl, dict)
+            else sl
+            for j, sl in enumerate(doc["slices"])
+        ]
+    return doc
 
 
 @dataclass(frozen=True)
@@ -141,17 +186,34 @@ def _refuse_structure(doc: dict, where: str) -> None:
         raise InputError(
             f"{where}: 'modules' (per-module slices) is not supported; list whole models under 'models'"
         )
-    for key in ("tokenizer_source", "tokenizer"):
-        if doc.get(key) is not None:
-            raise InputError(
-                f"{where}: '{key}' asks for tokenizer surgery; dghard does none (the output keeps the first "
-                f"fine-tune's tokenizer files): remove '{key}'"
-            )
+    tokenizer_source(doc, where)
     if doc.get("chat_template") is not None:
         raise InputError(
             f"{where}: 'chat_template' is not supported (the output keeps the first fine-tune's tokenizer "
             "files and template): remove it"
         )
+
+
+def tokenizer_source(doc: dict, where: str) -> str | None:
+    """``base`` when the recipe asks for the base model's tokenizer (``tokenizer_source: base``,
+    the base model's own name, or ``tokenizer: {source: base}``): a no-op when every model shares
+    the base's vocabulary, which the merge checks. Anything else is tokenizer surgery: refused."""
+    value, key = doc.get("tokenizer_source"), "tokenizer_source"
+    if doc.get("tokenizer") is not None:
+        tok, key = doc["tokenizer"], "tokenizer"
+        if value is not None or not isinstance(tok, dict) or set(tok) != {"source"}:
+            value = tok if value is None else value
+        else:
+            value = tok["source"]
+    if value is None:
+        return None
+    if value == "base" or (isinstance(value, str) and value == doc.get("base_model")):
+        return "base"
+    raise InputError(
+        f"{where}: '{key}: {value}' asks for tokenizer surgery; dghard does none: it takes "
+        "'tokenizer_source: base' (or the base model's own name) when every model shares the base's "
+        f"vocabulary; remove '{key}'"
+    )
 
 
 def _dtype(doc: dict, where: str) -> str | None:

@@ -78,6 +78,8 @@ class Recipe:
     maps: dict = field(default_factory=dict)  # mapping parameters (``recall:``) by name
     mergekit: bool = False  # translated from a mergekit recipe
     tensor_parameters: TensorParameters | None = None  # its gradients/filters/slice, per tensor
+    #: ``base``: a mergekit ``tokenizer_source: base`` (checked at merge time: a shared vocabulary)
+    tokenizer_source: str | None = None
 
     @property
     def recall(self) -> dict:
@@ -169,11 +171,13 @@ def load_recipe(path: str | Path) -> Recipe:
     root = path.parent
     mergekit = is_mergekit(doc)
     per_tensor = None
+    tokenizer = None
     if mergekit:
         where = f"mergekit recipe {path}"
         if varies(doc) or "slices" in doc:
             per_tensor = TensorParameters(doc, where)
         doc = translate(doc, where)
+        tokenizer = doc.pop("tokenizer_source", None)
         root = Path.cwd()  # mergekit resolves local model paths against the current directory
     _check_mapping(doc, top_keys(), where)
     for key in ("method", "base", "models"):
@@ -213,4 +217,5 @@ def load_recipe(path: str | Path) -> Recipe:
         maps=maps,
         mergekit=mergekit,
         tensor_parameters=per_tensor,
+        tokenizer_source=tokenizer,
     )

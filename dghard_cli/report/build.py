@@ -18,6 +18,7 @@ import sys
 import torch
 
 from dghard_cli._version import __version__
+from dghard_cli.methods import registry
 
 SCHEMA_VERSION = 1
 
@@ -216,7 +217,10 @@ def model_card(report: dict) -> str:
     lines += ["", "## Parameters", "", "```json"]
     import json
 
-    lines += [json.dumps(report["parameters"], indent=2), "```", "", "## Result", ""]
+    shown = dict(report["parameters"])
+    for k in shown.pop("varies_per_tensor", []):  # one tensor's value is not the recipe's
+        shown[k] = registry.VARIES
+    lines += [json.dumps(shown, indent=2), "```", "", "## Result", ""]
     if s.get("verdict"):
         lines += [f"**{s['verdict']}**", ""]
     lines.append(
@@ -229,5 +233,15 @@ def model_card(report: dict) -> str:
         lines.append(f"- median rank kept: {s['rank_kept_median']}")
     for w in s.get("warnings", []):
         lines.append(f"- warning: {w}")
+    side = report.get("output", {}).get("side_files")
+    if side:
+        lines += ["", "## Files", ""]
+        for entry in side:
+            if entry.get("copied"):
+                lines.append(f"- copied from {entry['from']}: {', '.join(entry['copied'])}")
+            if entry.get("left_out"):
+                lines.append(
+                    f"- not copied from {entry['from']} ({entry['why']}): {', '.join(entry['left_out'])}"
+                )
     lines += ["", "The full per-tensor report is `dghard_report.json` in this directory.", ""]
     return "\n".join(lines)

@@ -85,8 +85,11 @@ def score_candidates(
     stderr_factor: float = DEFAULT_STDERR_FACTOR,
     fail_under: float | None = None,
     targets_in_retention: bool = False,
+    units_option: str | None = "--units",
 ) -> dict:
     """Score candidates against base and fine-tune; returns the score document.
+
+    ``units_option`` is the option the unit warnings advise (``None``: the caller has none).
 
     All scores are in points. ``targets_in_retention`` (the sweep with several fine-tunes,
     :mod:`dghard_cli.score.experts`): % retention is the mean over the improved benchmarks
@@ -289,7 +292,7 @@ def score_candidates(
         doc["notes"] = notes
     others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
     doc["units_assumed"] = scales.describe(base, others, min_margin)
-    warnings += scales.notes(base, others)
+    warnings += scales.notes(base, others, units_option=units_option)
     if fail_under is not None:
         doc["gate"] = gate(doc, fail_under)
     return doc

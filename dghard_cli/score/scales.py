@@ -153,9 +153,26 @@ def describe(base, files: Sequence[tuple[str, object]], min_margin: float) -> li
     return out
 
 
-def notes(base, files: Sequence[tuple[str, object]]) -> list[str]:
+#: what a command that cannot force a unit (``dghard sweep``) says instead of "pass --units"
+NO_UNITS_OPTION = "check them with `dghard score --units` and have the evaluation write one unit"
+
+
+def notes(base, files: Sequence[tuple[str, object]], *, units_option: str | None = "--units") -> list[str]:
     """Warnings about units: benchmarks read in different units in different files, names
-    that look lower-is-better, and fractions in files that also hold points."""
+    that look lower-is-better, and fractions in files that also hold points.
+
+    ``units_option`` is the option that forces a unit, named in the advice; ``None`` for a
+    command without one (the sweep reads every file under ``auto``)."""
+    guess = (
+        f"pass {units_option} if a guess is wrong"
+        if units_option
+        else f"if a guess is wrong, {NO_UNITS_OPTION}"
+    )
+    points = (
+        f"pass {units_option} points if they are points"
+        if units_option
+        else f"if they are points, {NO_UNITS_OPTION}"
+    )
     out = []
     names = list(base.scores) if hasattr(base, "scores") else list(base)
     differ = []
@@ -170,7 +187,7 @@ def notes(base, files: Sequence[tuple[str, object]]) -> list[str]:
         )
         out.append(
             f"benchmarks read in different units in different files ({where}"
-            f"{'; …' if len(differ) > 3 else ''}); pass --units if a guess is wrong"
+            f"{'; …' if len(differ) > 3 else ''}); {guess}"
         )
     for label, rf in [("base", base), *files]:
         units = _units(rf)
@@ -179,7 +196,7 @@ def notes(base, files: Sequence[tuple[str, object]]) -> list[str]:
             out.append(
                 f"{label} ({getattr(rf, 'source', label)}) mixes scores in [0, 1] with points: "
                 f"{', '.join(fr[:4])}{' …' if len(fr) > 4 else ''} read as fractions (×100); "
-                "pass --units points if they are points"
+                f"{points}"
             )
             break
     suspicious = [k for k in names if LOWER_IS_BETTER.search(k) and _value(base, k) > 0]

@@ -215,7 +215,7 @@ class _Sweep(EvaluationSteps, SweepReport):
                     {
                         **e.describe(),
                         "skipped": "a LoRA adapter's update has only r non-zero singular values, so the "
-                        "unknown-noise cut is undefined on it (SPEC §4)",
+                        "unknown-noise cut is undefined on it",
                     }
                 )
             elif e.applies(n) and e.origin == "merges":
@@ -290,6 +290,7 @@ class _Sweep(EvaluationSteps, SweepReport):
             targets=self.opts.targets,
             margin=self.opts.margin,
             targets_in_retention=len(self.ft_rfs) > 1,
+            units_option=None,  # the sweep reads every results file under --units auto
         )
         by_name = {c["name"]: c for c in doc["candidates"]}
         self.score_doc = doc
