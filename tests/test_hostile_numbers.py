@@ -40,3 +40,82 @@ def test_lock_file_that_is_a_symlink_says_so(pair, tmp_path):
     msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"))
     assert "symbolic link" in msg and "cannot create files" not in msg
     assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "out").exists()
+
+
+# --- report JSON is always strict JSON --------------------------------------------------------
+
+
+def test_reports_never_hold_nan_or_infinity_literals():
+    import json
+
+    from dghard_cli.io.report_json import json_text
+
+    doc = {"a": float("inf"), "b": [float("nan"), -float("inf"), 1.5], "c": {"d": (float("nan"),)}}
+    text = json_text(doc)
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"literal {c}")) == {
+        "a": None,
+        "b": [None, None, 1.5],
+        "c": {"d": [None]},
+    }
+    assert (
+        json_text({"x": 1.0, "y": [1, "s", None]})
+        == json.dumps({"x": 1.0, "y": [1, "s", None]}, indent=2) + "\n"
+    )
+
+
+# --- one number reader: integers past float range, NaN, Inf ---------------------------------
+
+BIG = "1" + "0" * 400
+
+
+def lm_eval(value: str) -> str:
+    return '{"results": {"arc_easy": {"acc,none": %s, "alias": "arc_easy"}}}' % value
+
+
+def test_results_file_with_an_integer_past_float_range_names_the_key(tmp_path):
+    for name, v in (("base", "0.5"), ("ft", BIG), ("c", "0.6")):
+        (tmp_path / f"{name}.json").write_text(lm_eval(v))
+    r = invoke(
+        "score",
+        "--base",
+        tmp_path / "base.json",
+        "--ft",
+        tmp_path / "ft.json",
+        "--candidate",
+        tmp_path / "c.json",
+    )
+    msg = one_line_error(r)
+    assert "results.arc_easy.acc,none" in msg and "too large" in msg
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (BIG, "too large for a float"),
+        (f"-{BIG}", "too large for a float"),
+        (".nan", "not a finite"),
+        (".inf", "not a finite"),
+        ("-.inf", "not a finite"),
+    ],
+)
+def test_recipe_numbers_past_float_range_or_not_finite_are_refused_with_the_key(pair, tmp_path, value, why):
+    base, ft = pair
+    recipe = tmp_path / "r.yml"
+    recipe.write_text(
+        f"models:\n  - model: {ft}\n    parameters:\n      weight: {value}\n"
+        f"merge_method: linear\nbase_model: {base}\ndtype: float32\n"
+    )
+    msg = one_line_error(invoke("merge", "--config", recipe, "--out", tmp_path / "out"))
+    assert "models[0].parameters.weight" in msg and why in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_json_integer_past_float_range_is_refused(pair, tmp_path):
+    import json
+
+    base, ft = pair
+    cfg = json.loads((ft / "config.json").read_text())
+    text = json.dumps(cfg)[:-1] + f', "rope_theta": {BIG}}}'
+    (ft / "config.json").write_text(text)
+    msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"))
+    assert "rope_theta" in msg and "too large" in msg
