@@ -69,7 +69,7 @@ BIG = "1" + "0" * 400
 
 
 def lm_eval(value: str) -> str:
-    return '{"results": {"arc_easy": {"acc,none": %s, "alias": "arc_easy"}}}' % value
+    return '{"results": {"arc_easy": {"acc,none": ' + value + ', "alias": "arc_easy"}}}'
 
 
 def test_results_file_with_an_integer_past_float_range_names_the_key(tmp_path):
@@ -119,3 +119,34 @@ def test_config_json_integer_past_float_range_is_refused(pair, tmp_path):
     (ft / "config.json").write_text(text)
     msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"))
     assert "rope_theta" in msg and "too large" in msg
+
+
+# --- one finiteness rule at the cast to the output dtype -------------------------------------
+
+
+def test_cast_out_refuses_finite_values_the_output_dtype_cannot_hold():
+    import torch
+
+    from dghard_cli.engine.ops import OutputRangeError, cast_out
+
+    f32max = torch.tensor([torch.finfo(torch.float32).max, 1.0])
+    with pytest.raises(OutputRangeError, match="'w'.*BF16"):
+        cast_out(f32max, "BF16", "w")
+    with pytest.raises(OutputRangeError, match="F16"):
+        cast_out(torch.tensor([70000.0]), "F16", "w")
+    bf16max = torch.tensor([torch.finfo(torch.bfloat16).max], dtype=torch.bfloat16)
+    assert torch.equal(cast_out(bf16max.float(), "BF16", "w"), bf16max)  # the extreme itself fits
+    nan = torch.tensor([float("nan")])
+    assert torch.isnan(cast_out(nan, "F16", "w")).all()  # already non-finite: the caller's concern
+
+
+@pytest.mark.parametrize("lam, dtype", [("1e+308", "fp32"), ("1e+30", "fp16")])
+def test_finite_lambda_whose_product_overflows_is_an_option_error(pair, tmp_path, lam, dtype):
+    base, ft = pair
+    out = tmp_path / "out"
+    r = invoke(
+        "merge", base, ft, "--method", "task-arithmetic", "--lambda", lam, "--dtype", dtype, "--out", out
+    )
+    msg = one_line_error(r).splitlines()[-1]
+    assert "--lambda" in msg and "NaN" not in msg and "checkpoint" not in msg
+    assert not out.exists()

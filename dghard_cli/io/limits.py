@@ -37,7 +37,9 @@ def _key_path(node: tuple | None, key: object) -> str:
         node, k = node
         parts.append(k)
     parts = [p for p in reversed(parts) if p is not None]
-    return "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(parts))
+    return "".join(
+        f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(parts)
+    )
 
 
 def bad_number(v: object, *, finite: bool) -> str | None:
