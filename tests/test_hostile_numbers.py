@@ -150,3 +150,26 @@ def test_finite_lambda_whose_product_overflows_is_an_option_error(pair, tmp_path
     msg = one_line_error(r).splitlines()[-1]
     assert "--lambda" in msg and "NaN" not in msg and "checkpoint" not in msg
     assert not out.exists()
+
+
+# --- the adapter route: the same finiteness rule where its tensors are written ---------------
+
+
+@pytest.mark.parametrize("case", ["nan-factor", "alpha-overflow"])
+@pytest.mark.parametrize("fmt", [("--format", "peft"), ()])
+def test_adapter_output_never_holds_nan_or_inf(tmp_path, case, fmt):
+    from dghard_cli.testing.synthetic_lora import make_adapter, write_adapter
+
+    arch = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    base, _ = make_pair(tmp_path / "pair", arch, ft_shards=1)
+    ad, tensors, cfg = make_adapter(tmp_path / "ad", arch, r=4, alpha=8, targets=("q_proj",))
+    if case == "nan-factor":
+        next(iter(tensors.values()))[0, 0] = float("nan")
+    else:
+        cfg["lora_alpha"] = 1e300  # alpha / r overflows float32
+    write_adapter(ad, tensors, cfg)
+    out = tmp_path / "out"
+    msg = one_line_error(invoke("merge", base, ad, "--method", "wise-ft", "--out", out, *fmt))
+    assert "q_proj" in msg and "NaN/Inf" in msg
+    assert not out.exists()
