@@ -173,3 +173,53 @@ def test_adapter_output_never_holds_nan_or_inf(tmp_path, case, fmt):
     msg = one_line_error(invoke("merge", base, ad, "--method", "wise-ft", "--out", out, *fmt))
     assert "q_proj" in msg and "NaN/Inf" in msg
     assert not out.exists()
+
+
+# --- pattern tables in time linear in their size ----------------------------------------------
+
+MODULES = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.1.self_attn.q_proj",
+    "model.layers.10.mlp.down_proj",
+    "model.layers.1.mlp.up_proj",
+    "lm_head",
+    "model.embed_tokens",
+]
+KEYS = [
+    "q_proj", "layers.1.self_attn.q_proj", "self_attn.q_proj", "layers.1", "mlp.down_proj", "layers.1.mlp.up.proj",
+    "x.layers.0.self_attn.q_proj", "lm_head", "model.embed_tokens", "embed_tokens", "1.mlp", "layers\\.1\\..*",
+    ".*q_proj", "up_proj|down_proj", "model.layers.1.self.attn.q.proj", "ayers.0.self_attn.q_proj", "mlp.up_proj",
+]  # fmt: skip
+
+
+def test_pattern_table_matches_exactly_as_peft_does():
+    import itertools
+    import random
+
+    from dghard_cli.io.patterns import peft_key_match
+    from dghard_cli.lora.config import pattern_key, pattern_table
+
+    rng = random.Random(0)
+    for n in (1, 2, 3, 5, len(KEYS)):
+        for keys in itertools.islice(itertools.permutations(KEYS, n), 40) if n < 4 else [rng.sample(KEYS, n)]:
+            table = dict.fromkeys(keys, 1)
+            for m in MODULES:
+                want = next((k for k in keys if peft_key_match(k, m)), None)
+                assert pattern_key(table, m) == want, (keys, m)
+            used = {i for i, k in enumerate(keys) if any(peft_key_match(k, m) for m in MODULES)}
+            assert pattern_table(table).matched(MODULES) == used
+
+
+def test_100000_rank_pattern_keys_are_read_and_matched_in_under_2_s():
+    import time
+
+    from dghard_cli.lora.config import parse_config
+
+    raw = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    raw["rank_pattern"] = {f"layers.{i}.self_attn.q_proj": 4 for i in range(100_000)}
+    raw["rank_pattern"]["layers.99999.self_attn.q_proj"] = 2
+    t0 = time.perf_counter()
+    cfg, _ = parse_config(raw, "adapter_config.json")
+    ranks = [cfg.rank_for(m) for m in MODULES * 20]
+    assert time.perf_counter() - t0 < 2.0
+    assert ranks[:2] == [4, 4] and cfg.rank_for("model.layers.99999.self_attn.q_proj") == 2

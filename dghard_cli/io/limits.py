@@ -83,7 +83,9 @@ def check_depth_and_size(
                         f"{where}: nested deeper than {max_depth} levels; refusing to process it"
                     )
                 stack.append((c, depth + 1, (path, k)))
-            elif (why := bad_number(c, finite=finite)) or (why := bad_number(k, finite=finite)):
+            elif ((type(c) is int or type(c) is float) and (why := bad_number(c, finite=finite))) or (
+                type(k) is not str and (why := bad_number(k, finite=finite))
+            ):
                 raise InputError(f"{where}: {_key_path(path, k)} is {why}; refusing to read it")
 
 
