@@ -223,3 +223,36 @@ def test_100000_rank_pattern_keys_are_read_and_matched_in_under_2_s():
     ranks = [cfg.rank_for(m) for m in MODULES * 20]
     assert time.perf_counter() - t0 < 2.0
     assert ranks[:2] == [4, 4] and cfg.rank_for("model.layers.99999.self_attn.q_proj") == 2
+
+
+# --- sizes from files are bounded before they are used -----------------------------------------
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 10**12), ("n_layer", 10**12)])
+def test_absurd_layer_count_in_config_is_refused_before_allocating(pair, tmp_path, key, value):
+    import json
+
+    base, ft = pair
+    for d in (base, ft):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.pop("num_hidden_layers", None)
+        cfg.pop("n_layer", None)
+        cfg[key] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+    r = invoke("repair", base, ft, tmp_path / "out", "--lines", "0.2,0.6", "--device", "cpu")
+    msg = one_line_error(r)
+    assert key in msg and "absurd" in msg
+
+
+def test_absurd_layer_index_in_a_tensor_name_is_refused_before_allocating():
+    from dghard_cli.architecture import model_depth
+    from dghard_cli.errors import InputError
+
+    names = ["model.layers.0.mlp.up_proj.weight", f"model.layers.{10**12}.mlp.up_proj.weight"]
+    with pytest.raises(InputError, match="1000000000000"):
+        model_depth(names, None)
+    with pytest.raises(InputError, match="absurdly large"):
+        model_depth(["model.layers." + "9" * 5000 + ".mlp.up_proj.weight"], None)
+    assert model_depth(["model.layers.0.a", "model.layers.1.a"], {"num_hidden_layers": 2}).num_layers == 2
+    with pytest.raises(InputError, match="block 1 is missing"):
+        model_depth(["model.layers.0.a", "model.layers.2.a"], None)
