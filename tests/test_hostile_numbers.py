@@ -3,6 +3,7 @@ docs/robustness.md, "Numbers, sizes and resources"). Every test here failed befo
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -256,3 +257,37 @@ def test_absurd_layer_index_in_a_tensor_name_is_refused_before_allocating():
     assert model_depth(["model.layers.0.a", "model.layers.1.a"], {"num_hidden_layers": 2}).num_layers == 2
     with pytest.raises(InputError, match="block 1 is missing"):
         model_depth(["model.layers.0.a", "model.layers.2.a"], None)
+
+
+# --- OS resources: exhaustion is a runtime failure, many models are refused up front -----------
+
+
+def test_too_many_open_files_is_a_runtime_failure_not_a_bad_shard(pair, tmp_path, monkeypatch):
+    import errno
+
+    from dghard_cli.io import files
+
+    base, ft = pair
+    real_open = files.os.open
+
+    def emfile(path, *a, **k):
+        if str(path).endswith(".safetensors") and str(ft) in str(path):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(files.os, "open", emfile)
+    msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"), code=3)
+    assert "Too many open files" in msg and "ulimit -n" in msg and "not at fault" in msg
+
+
+def test_merging_more_models_than_descriptors_allow_is_refused_before_opening_any(
+    pair, tmp_path, monkeypatch
+):
+    import resource
+
+    base, ft = pair
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (100, 100))
+    r = invoke("merge", base, *([ft] * 30), "--method", "task-arithmetic", "--out", tmp_path / "out")
+    msg = one_line_error(r)
+    assert "31 models" in msg and "at most 18" in msg and "ulimit -n" in msg
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
