@@ -95,7 +95,12 @@ def block_index(name: str) -> tuple[str, int] | None:
     ('model.layers', 12)
     """
     m = BLOCK_NAME.match(name)
-    return (m.group(1), int(m.group(2))) if m else None
+    if not m:
+        return None
+    digits = m.group(2)
+    if len(digits) > MAX_INDEX_DIGITS:  # int() of 5,000 digits raises; no model has 10^9 blocks
+        raise InputError(f"tensor {name[:200]!r}: block index {digits[:20]}... is absurdly large")
+    return m.group(1), int(digits)
 
 
 def layer_index(name: str) -> int | None:
@@ -186,6 +191,11 @@ HEAD_SEGMENTS = (
 _EMBED = re.compile(r"(?:^|\.)(?:" + "|".join(EMBED_SEGMENTS) + r")(?:\.|$)")
 _HEAD = re.compile(r"(?:^|\.)(?:" + "|".join(HEAD_SEGMENTS) + r")(?:\.|$)")
 
+#: The most blocks a layer stack may have (a count or an index past it is refused before anything
+#: is allocated for it; the deepest released models have a few hundred).
+MAX_LAYERS = 100_000
+MAX_INDEX_DIGITS = 9
+
 #: Config keys that give the number of blocks, in the order they are tried.
 LAYER_COUNT_KEYS = ("num_hidden_layers", "n_layer", "n_layers", "num_layers")
 
@@ -254,6 +264,11 @@ def config_num_layers(config: Mapping | None) -> tuple[int, str] | None:
         for key in LAYER_COUNT_KEYS:
             v = cfg.get(key)
             if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+                if v > MAX_LAYERS:
+                    raise InputError(
+                        f"config.json: {where + key} = {v} is absurd (more than {MAX_LAYERS} layers); "
+                        "refusing to use it"
+                    )
                 return v, where + key
     return None
 
@@ -295,21 +310,29 @@ def model_depth(names: Iterable[str], config: Mapping | None, where: str = "the 
         )
     ((stack, (example, indices)),) = stacks.items()
     found = f"blocks {format_ranges(sorted(indices))} in the tensor names (e.g. {example!r})"
+    top = max(indices)
+    if top >= MAX_LAYERS:
+        raise InputError(
+            f"{where}: a tensor name puts a block at index {top} (more than {MAX_LAYERS} layers); "
+            "refusing to use it"
+        )
+
+    def complete(n: int) -> bool:  # indices == {0 … n−1}, without building that set
+        return len(indices) == n and min(indices) == 0 and top == n - 1
+
     cfg = config_num_layers(config)
     if cfg is not None:
         n, key = cfg
-        if indices != set(range(n)):
+        if not complete(n):
             raise InputError(
                 f"{where}: config.json says {key} = {n} but there are {found}; "
                 "the config and the weights must describe the same model"
             )
         return ModelDepth(num_layers=n, stack=stack, source=f"config.json {key}")
-    n = max(indices) + 1
-    if indices != set(range(n)):
-        missing = sorted(set(range(n)) - indices)
-        raise InputError(
-            f"{where}: block {missing[0]} is missing ({found}) and no config.json gives the count"
-        )
+    n = top + 1
+    if not complete(n):
+        missing = next(i for i in range(n) if i not in indices)
+        raise InputError(f"{where}: block {missing} is missing ({found}) and no config.json gives the count")
     return ModelDepth(num_layers=n, stack=stack, source="tensor names (no layer count in config.json)")
 
 

@@ -68,7 +68,18 @@ HOSTILE_VALUES = [
     "F7",
     [2**40, 2**40],
     "\x00",
+    10**400,  # no float holds it
+    -(10**400),
+    float("nan"),
+    float("inf"),
+    3.3895313892515355e38,  # bfloat16's largest finite value
+    3.4028234663852886e38,  # float32's
+    ".nan",
+    ".inf",
 ]
+
+#: Extreme finite values planted in tensors (and their negatives).
+EXTREME_FINITE = (3.3895313892515355e38, 3.4028234663852886e38, 65504.0, 1e-45)
 
 
 def _flip_bytes(rng: random.Random, path: Path, region: str) -> None:
@@ -283,7 +294,75 @@ def _recipe_target():
     return prepare, mutate, execute
 
 
-TARGETS = ("checkpoint", "adapter", "recipe", "filesystem")
+def _numbers_target():
+    """Extreme numbers on every output route: extreme finite values in a tensor (bf16 and float32
+    maxima, fp16's, the smallest subnormal), extreme strengths, extreme config numbers, and an
+    adapter with such values or an extreme ``lora_alpha``, written as a full checkpoint and as an
+    adapter. A run must succeed with finite output or fail with a clean error."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from dghard_cli.testing.synthetic_lora import make_adapter
+
+    def prepare(root: Path) -> None:
+        make_adapter(root / "num-adapter", CFG, r=4)
+
+    def mutate(rng: random.Random, root: Path) -> str:
+        kind = rng.choice(["tensor", "strength", "config", "adapter-tensor", "adapter-alpha"])
+        (root / "num-case.json").write_text(json.dumps({"kind": kind, "seed": rng.randrange(2**31)}))
+        if kind in ("tensor", "adapter-tensor"):
+            d = root / ("ft" if kind == "tensor" else "num-adapter")
+            st = rng.choice(sorted(d.glob("*.safetensors")))
+            tensors = load_file(str(st))
+            name = rng.choice(sorted(tensors))
+            t = tensors[name]
+            if t.is_floating_point() and t.numel():
+                flat = t.reshape(-1).clone()
+                v = rng.choice(EXTREME_FINITE) * rng.choice((1, -1))
+                flat[rng.randrange(flat.numel())] = v
+                tensors[name] = flat.reshape(t.shape)
+                save_file(tensors, str(st), metadata={"format": "pt"})
+        elif kind == "config":
+            p = root / "ft" / "config.json"
+            doc = json.loads(p.read_text())
+            key = rng.choice([k for k, v in doc.items() if isinstance(v, (int, float))] or ["x"])
+            value = rng.choice([10**400, 10**12, -1, 3.4e38, 2**63])
+            doc[key] = value
+            p.write_text(json.dumps(doc))
+        elif kind == "adapter-alpha":
+            p = root / "num-adapter" / "adapter_config.json"
+            doc = json.loads(p.read_text())
+            doc["lora_alpha"] = rng.choice([1e300, 3.4e38, 1e38, 10**400])
+            p.write_text(json.dumps(doc))
+        return "numbers-" + kind
+
+    def execute(root: Path) -> None:
+        from dghard_cli import MergeOptions, merge, repair
+        from dghard_cli.lora.output import LoraOutputOptions
+
+        case = json.loads((root / "num-case.json").read_text())
+        rng = random.Random(case["seed"])
+        out = root / "num-out"
+        ft = root / ("num-adapter" if case["kind"].startswith("adapter") else "ft")
+        if case["kind"] == "strength" or rng.random() < 0.5:
+            lam = rng.choice([1e308, 1e38, 1e30, 3.4e38, 1.0])
+            fmt = rng.choice(["full", "peft"]) if ft.name == "num-adapter" else "full"
+            opts = MergeOptions(method="task-arithmetic", lam=lam, lora=LoraOutputOptions(format=fmt))
+            merge(root / "base", [ft], out, opts)
+        else:
+            repair(root / "base", ft, out)
+        for st in out.rglob("*.safetensors"):
+            for name, t in load_file(str(st)).items():
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+                    raise AssertionError(f"{st.name}: {name} holds NaN/Inf and the run exited 0")
+        text = "".join(p.read_text() for p in out.rglob("*.json"))
+        if "NaN" in text or "Infinity" in text:
+            raise AssertionError("a JSON file in OUT holds NaN/Infinity")
+
+    return prepare, mutate, execute
+
+
+TARGETS = ("checkpoint", "adapter", "recipe", "filesystem", "numbers")
 
 
 def fuzz(cases: int, seed: int, *, verbose: bool = False, only: list[str] | None = None) -> dict:
@@ -295,7 +374,11 @@ def fuzz(cases: int, seed: int, *, verbose: bool = False, only: list[str] | None
     targets: list[tuple[str, Callable, Callable, Callable]] = [
         ("checkpoint", lambda root: None, mutate_checkpoint, run_repair)
     ]
-    for name, factory in (("adapter", _adapter_target), ("recipe", _recipe_target)):
+    for name, factory in (
+        ("adapter", _adapter_target),
+        ("recipe", _recipe_target),
+        ("numbers", _numbers_target),
+    ):
         t = factory()
         if t is not None:
             targets.append((name, *t))

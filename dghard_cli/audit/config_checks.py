@@ -14,7 +14,7 @@ from dghard_cli.audit.findings import (
     finding,
 )
 from dghard_cli.lora.adapter import PEFT_PREFIX, AdapterLayout, LoraModule, module_to_save
-from dghard_cli.lora.config import LoraConfig, pattern_key
+from dghard_cli.lora.config import LoraConfig, pattern_key, pattern_table
 from dghard_cli.lora.targets import is_targeted
 
 
@@ -313,8 +313,9 @@ def targeting_findings(cfg: LoraConfig, lay: AdapterLayout) -> list[Finding]:
             )
         )
     for key, table in (("rank_pattern", cfg.rank_pattern), ("alpha_pattern", cfg.alpha_pattern)):
-        for pat in table:
-            if not any(pattern_key({pat: 0}, m) is not None for m in modules):
+        matched = pattern_table(table).matched(list(modules)) if table else set()
+        for i, pat in enumerate(table):
+            if i not in matched:
                 out.append(
                     finding(
                         "PATTERN_UNMATCHED",

@@ -7,7 +7,6 @@ tensor); 3 runtime failure (out of memory, disk full, interrupted: the output is
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
 import traceback
@@ -250,7 +249,9 @@ class _TrimmedLines(io.TextIOBase):
 
 def emit(doc: dict, *, as_json: bool, quiet: bool, render: Callable[[Console], None]) -> None:
     if as_json:
-        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        from dghard_cli.io.report_json import json_text
+
+        sys.stdout.write(json_text(doc))
         sys.stdout.flush()
     elif not quiet:
         if sys.stdout.isatty():

@@ -107,9 +107,37 @@ def base_record(job: TensorJob) -> dict:
     return rec
 
 
-def cast_out(t: torch.Tensor, out_dtype: str) -> torch.Tensor:
+#: What the user can change when computed values leave the output dtype's range.
+STRENGTH_HINT = (
+    "lower the strengths (--lambda, --alpha, --weights, a layer schedule's or a recipe's "
+    "weight/strength), or write a wider output (--dtype fp32)"
+)
+
+
+class OutputRangeError(InputError):
+    """Finite computed values that the output dtype cannot hold (they would be written as ±Inf)."""
+
+
+def cast_out(t: torch.Tensor, out_dtype: str, name: str = "") -> torch.Tensor:
+    """``t`` in the output dtype: the one place the full-checkpoint route narrows a value.
+
+    A value that is finite before the cast and ±Inf after it (float32's 3.4e38 into float16's
+    65504, or a bf16 product past its range) is never written: OutputRangeError naming the tensor
+    and the options that scale it. Values that were already non-finite are the caller's concern
+    (refused where they were computed, or passed through with ``--allow-nonfinite``).
+    """
     target = torch_dtype(out_dtype)
-    return t if t.dtype == target else t.to(target)
+    if t.dtype == target:
+        return t
+    out = t.to(target)
+    overflow = out.is_floating_point() and out.numel() and not bool(torch.isfinite(out).all())
+    if overflow and bool(torch.isfinite(t).all()):
+        big = float(t.abs().max())
+        raise OutputRangeError(
+            f"tensor {name!r}: computed values reach {big:.4g}, beyond {out_dtype}'s range "
+            f"({torch.finfo(target).max:.4g}); {STRENGTH_HINT}"
+        )
+    return out
 
 
 def element_spans(numel: int, elem_bytes: int, chunk_bytes: int) -> list[tuple[int, int] | None]:
@@ -163,7 +191,7 @@ def passthrough(
                 d = t.to(torch.float64).sub_(src.flat("base", span).to(torch.float64))
                 sumsq += float(torch.dot(d, d))
                 del d
-            yield raw if info.dtype == job.out_dtype else cast_out(t, job.out_dtype)
+            yield raw if info.dtype == job.out_dtype else cast_out(t, job.out_dtype, job.name)
         else:
             yield raw
     if comparable and not rec.get("nonfinite"):

@@ -37,6 +37,7 @@ from dghard_cli.io.output import (
     split_side_files,
 )
 from dghard_cli.io.paths import RESERVED_NAMES, Output, check_outputs, check_shard_names
+from dghard_cli.io.report_json import json_text
 from dghard_cli.io.verify import verify_dir
 from dghard_cli.report import build as report_mod
 from dghard_cli.report import model_card
@@ -452,7 +453,7 @@ class _ModelWrite:
             if self.rel_report is not None:
                 target = stage.dir / self.rel_report
                 target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+                target.write_text(json_text(doc), encoding="utf-8")
             stage.write_text("README.md", card)
         except OSError as exc:
             raise _io_failure(exc, stage, "writing the report and model card") from None

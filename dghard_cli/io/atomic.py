@@ -8,7 +8,6 @@ as ``NAME.tmp`` (created afresh, never written through) and renamed over it; an 
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from pathlib import Path
 
 from dghard_cli.errors import InputError
 from dghard_cli.io import files
+from dghard_cli.io.report_json import json_text
 
 
 def _tmp(path: Path) -> Path:
@@ -45,8 +45,8 @@ def write_text_atomic(path: Path, text: str, *, fsync: bool = False) -> Path:
 
 
 def write_json_atomic(path: Path, doc: object, **dumps) -> Path:
-    """``json.dumps(doc, indent=2, **dumps)`` and a newline, written atomically."""
-    return write_text_atomic(path, json.dumps(doc, indent=2, **dumps) + "\n")
+    """``doc`` as strict JSON (:func:`dghard_cli.io.report_json.json_text`), written atomically."""
+    return write_text_atomic(path, json_text(doc, **dumps))
 
 
 def copy_file_atomic(

@@ -29,7 +29,7 @@ import stat
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from dghard_cli.errors import InputError
+from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io import limits
 
 #: Size limits per kind of file (bytes).
@@ -122,7 +122,7 @@ def check_input_file(path: str | Path, *, what: str, roots: Sequence[Path] | Non
             raise InputError(f"{p}: {what} is a symlink loop; refusing to read it") from None
         if isinstance(exc, FileNotFoundError):
             raise InputError(f"{p}: {what} is a broken symlink (to {real})") from None
-        raise InputError(f"{p}: cannot read {what} ({exc.strerror})") from None
+        raise read_error(p, what, exc) from None
     if not stat.S_ISREG(st.st_mode):
         raise InputError(
             f"{p}: {what} is {_describe_mode(st.st_mode)}, not a regular file; refusing to read it"
@@ -178,7 +178,7 @@ def open_input(
             raise InputError(
                 f"{p}: {what} was replaced by a symlink while opening; refusing to read it"
             ) from None
-        raise InputError(f"{p}: cannot read {what} ({exc.strerror})") from None
+        raise read_error(p, what, exc) from None
     try:
         fst = os.fstat(fd)
         if not stat.S_ISREG(fst.st_mode) or (fst.st_dev, fst.st_ino) != (st.st_dev, st.st_ino):
@@ -201,7 +201,7 @@ def read_bytes(path: str | Path, *, what: str, limit: int, roots: Sequence[Path]
         try:
             data = f.read(limit + 1)
         except OSError as exc:
-            raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+            raise read_error(path, what, exc) from None
     if len(data) > limit:
         raise InputError(f"{path}: {what} grew past the {_size_text(limit)} limit while being read")
     return data
@@ -230,6 +230,31 @@ def read_json(
     return limits.parse_json(data, f"{path}: {what}", max_depth=max_depth, max_elements=max_elements)
 
 
+#: errno values that say the system, not the file, is the problem: out of descriptors, memory,
+#: disk, or an I/O fault. Such a failure is a runtime failure (exit 3, resumable), never a bad input.
+RESOURCE_ERRNOS = frozenset(
+    getattr(errno, n)
+    for n in ("EMFILE", "ENFILE", "ENOMEM", "ENOSPC", "EDQUOT", "EIO", "ENOBUFS")
+    if hasattr(errno, n)
+)
+
+
+def read_error(path: str | Path, what: str, exc: OSError) -> InputError | RuntimeFailure:
+    """The error for an OSError while opening or reading an input: InputError naming the file,
+    or RuntimeFailure when the system ran out of a resource (too many open files, memory, disk)."""
+    if exc.errno in RESOURCE_ERRNOS:
+        hint = (
+            " (raise the limit with `ulimit -n`, or merge fewer models)"
+            if exc.errno in (errno.EMFILE, errno.ENFILE)
+            else ""
+        )
+        return RuntimeFailure(
+            f"{path}: the system ran out of resources while opening {what} ({exc.strerror}){hint}; "
+            "the input itself is not at fault"
+        )
+    return InputError(f"{path}: cannot read {what} ({exc.strerror})")
+
+
 def copy_input(path: str | Path, dest: Path, *, what: str, roots: Sequence[Path] | None = None) -> int:
     """Copy an input file in full (any size) to ``dest`` (created; must not exist); its size.
 
@@ -243,7 +268,7 @@ def copy_input(path: str | Path, dest: Path, *, what: str, roots: Sequence[Path]
                 try:
                     block = os.read(f.fd, 8 * 1024 * 1024)
                 except OSError as exc:
-                    raise InputError(f"{path}: cannot read {what} ({exc.strerror})") from None
+                    raise read_error(path, what, exc) from None
                 if not block:
                     break
                 out.write(block)

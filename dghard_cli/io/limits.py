@@ -10,6 +10,8 @@ that later code walks, and YAML aliases that expand a few hundred bytes into bil
 from __future__ import annotations
 
 import json
+import math
+import sys
 from collections.abc import Callable
 
 from dghard_cli.errors import InputError
@@ -24,25 +26,67 @@ MAX_YAML_NODES = 100_000
 MAX_YAML_ALIASES = 1_000
 
 
-def check_depth_and_size(doc: object, where: str, *, max_depth: int, max_elements: int) -> None:
-    """Walk a parsed document without recursion; InputError when it nests or grows past the limits."""
+#: The largest magnitude a number read from a file may have: every number dghard reads becomes a
+#: float somewhere, and an integer beyond this (``1`` followed by 400 zeros) cannot.
+MAX_NUMBER = sys.float_info.max
+
+
+def _key_path(node: tuple | None, key: object) -> str:
+    parts = [key]
+    while node is not None:
+        node, k = node
+        parts.append(k)
+    parts = [p for p in reversed(parts) if p is not None]
+    return "".join(
+        f"[{p}]" if isinstance(p, int) else (f".{p}" if i else str(p)) for i, p in enumerate(parts)
+    )
+
+
+def bad_number(v: object, *, finite: bool) -> str | None:
+    """Why ``v`` is not a number dghard can read (None when it is, or is not a number at all)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return "an integer too large for a float" if abs(v) > MAX_NUMBER else None
+    if finite and isinstance(v, float) and not math.isfinite(v):
+        return f"{v} (not a finite number)"
+    return None
+
+
+def check_depth_and_size(
+    doc: object, where: str, *, max_depth: int, max_elements: int, finite: bool = False
+) -> None:
+    """Walk a parsed document without recursion; InputError when it nests or grows past the
+    limits, or holds a number no float can hold (an integer past ±1.8·10^308; with ``finite``
+    also NaN and ±Inf), naming its key. Keys are checked as well as values."""
     if not isinstance(doc, (dict, list)):
+        why = bad_number(doc, finite=finite)
+        if why:
+            raise InputError(f"{where}: the value is {why}")
         return
-    stack: list[tuple[dict | list, int]] = [(doc, 1)]
+    stack: list[tuple[dict | list, int, tuple | None]] = [(doc, 1, None)]
     seen = 1
     while stack:
-        value, depth = stack.pop()
-        children = value.values() if isinstance(value, dict) else value
-        seen += len(children)
+        value, depth, path = stack.pop()
+        if isinstance(value, dict):
+            items = value.items()
+            seen += len(value)
+        else:
+            items = enumerate(value)
+            seen += len(value)
         if seen > max_elements:
             raise InputError(f"{where}: more than {max_elements} values; refusing to process it")
-        for c in children:
+        for k, c in items:
             if isinstance(c, (dict, list)):
                 if depth + 1 > max_depth:
                     raise InputError(
                         f"{where}: nested deeper than {max_depth} levels; refusing to process it"
                     )
-                stack.append((c, depth + 1))
+                stack.append((c, depth + 1, (path, k)))
+            elif ((type(c) is int or type(c) is float) and (why := bad_number(c, finite=finite))) or (
+                type(k) is not str and (why := bad_number(k, finite=finite))
+            ):
+                raise InputError(f"{where}: {_key_path(path, k)} is {why}; refusing to read it")
 
 
 def parse_json(
@@ -52,6 +96,7 @@ def parse_json(
     max_depth: int = MAX_DEPTH,
     max_elements: int = MAX_JSON_ELEMENTS,
     object_pairs_hook: Callable | None = None,
+    finite: bool = False,
 ) -> object:
     """``json.loads`` with the depth and element limits; InputError naming ``where`` otherwise."""
     try:
@@ -61,7 +106,7 @@ def parse_json(
         raise InputError(f"{where}: nested deeper than {max_depth} levels; refusing to process it") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise InputError(f"{where}: not valid JSON ({exc})") from None
-    check_depth_and_size(doc, where, max_depth=max_depth, max_elements=max_elements)
+    check_depth_and_size(doc, where, max_depth=max_depth, max_elements=max_elements, finite=finite)
     return doc
 
 

@@ -14,6 +14,7 @@ parent directory that cannot be written is reported here, before any work (exit 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 from pathlib import Path
@@ -41,9 +42,19 @@ class OutLock:
     def acquire(self) -> OutLock:
         flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NOFOLLOW", 0)
         for _ in range(20):
+            if os.path.islink(self.path):
+                raise InputError(
+                    f"{self.label} {self.out}: the lock file {self.path} is a symbolic link "
+                    f"(to {os.readlink(self.path)!r}); dghard never follows one there. Remove it and rerun"
+                )
             try:
                 fd = os.open(self.path, flags, 0o644)
             except OSError as exc:
+                if exc.errno == errno.ELOOP:  # it became a symlink after the check above
+                    raise InputError(
+                        f"{self.label} {self.out}: the lock file {self.path} is a symbolic link; "
+                        "dghard never follows one there. Remove it and rerun"
+                    ) from None
                 raise InputError(
                     f"{self.label} {self.out}: cannot create files in {self.path.parent} "
                     f"({exc.strerror or exc}); choose an OUT in a directory you can write to"

@@ -25,6 +25,7 @@ from dghard_cli.io import files
 from dghard_cli.io.atomic import swap_dir_into_place, write_text_atomic
 from dghard_cli.io.checkpoint import path_exists
 from dghard_cli.io.lock import OutLock
+from dghard_cli.io.report_json import json_text
 from dghard_cli.io.safetensors_format import build_header
 
 JOURNAL = "dghard_journal.jsonl"
@@ -346,7 +347,7 @@ class OutputStage:
 
     def write_json(self, name: str, doc: object) -> Path:
         path = self.dir / name
-        path.write_text(json.dumps(doc, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+        path.write_text(json_text(doc, ensure_ascii=False), encoding="utf-8")
         return path
 
     def write_text(self, name: str, text: str) -> Path:

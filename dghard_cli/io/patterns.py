@@ -91,12 +91,19 @@ def _risky_body(seq) -> bool:
     return False
 
 
+#: A pattern of word characters, ``-`` and dots only: each dot matches one character, nothing
+#: else is special, so it is valid and cannot backtrack (checked without parsing it).
+PLAIN_PATTERN = re.compile(r"[\w\-.]+", re.ASCII)
+
+
 def pattern_problem(pattern: str) -> str | None:
     """Why ``pattern`` may not be matched against module names (None: it may)."""
     if not isinstance(pattern, str):
         return "it is not a string"
     if len(pattern) > MAX_PATTERN_CHARS:
         return f"it is longer than {MAX_PATTERN_CHARS} characters"
+    if PLAIN_PATTERN.fullmatch(pattern):  # literal characters and "." only: no repeat, no group
+        return None
     try:
         parsed = _p.parse(pattern)
     except (re.error, RecursionError, OverflowError) as exc:

@@ -9,7 +9,7 @@ from pathlib import Path
 from dghard_cli.errors import InputError
 from dghard_cli.io import files
 from dghard_cli.io.checkpoint import path_exists
-from dghard_cli.io.limits import parse_yaml
+from dghard_cli.io.limits import MAX_DEPTH, MAX_JSON_ELEMENTS, check_depth_and_size, parse_yaml
 
 
 def read_yaml_file(path: Path, where: str, limit: int) -> object:
@@ -36,9 +36,12 @@ def read_yaml_file(path: Path, where: str, limit: int) -> object:
     except UnicodeDecodeError as exc:
         raise InputError(f"{where}: cannot read as UTF-8 text ({exc})") from None
     try:
-        return parse_yaml(text, where)
+        doc = parse_yaml(text, where)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise InputError(f"{where}: not valid YAML{at} ({problem})") from None
+    # every number in it is read as a float somewhere: no 10^400, no .nan or .inf
+    check_depth_and_size(doc, where, max_depth=MAX_DEPTH, max_elements=MAX_JSON_ELEMENTS, finite=True)
+    return doc

@@ -41,7 +41,6 @@ gives each the run's :class:`~dghard_cli.lora.context.RouteContext`, built once)
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,6 +63,7 @@ from dghard_cli.engine.runner import (
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.output import check_out_path
+from dghard_cli.io.report_json import json_text
 from dghard_cli.lora.assemble import assemble
 from dghard_cli.lora.card import adapter_card
 from dghard_cli.lora.context import RouteContext, input_ranks
@@ -433,7 +433,7 @@ class AdapterOutput:
                 written["doc"] = doc
                 docs = {"README.md": adapter_card(doc)}
                 if rel_report is not None:  # the default OUT/dghard_report.json, or --report inside OUT
-                    docs[rel_report] = json.dumps(doc, indent=2) + "\n"
+                    docs[rel_report] = json_text(doc)
                 return docs
 
             stage.finish(items, config=config, tokenizer_dirs=self._tokenizer_dirs(), documents=documents)

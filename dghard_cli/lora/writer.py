@@ -163,6 +163,21 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
 
 
+def check_finite_output(key: str, t: torch.Tensor, record: dict) -> None:
+    """The adapter route's finiteness rule, at the one place its tensors are written: a factor
+    or full tensor holding NaN/Inf (an input's, or finite values that overflowed the scaling or
+    the output dtype) is never spooled; InputError naming the module and the causes."""
+    if not t.is_floating_point() or not t.numel() or bool(torch.isfinite(t).all()):
+        return
+    module = record.get("name") or record.get("module") or "?"
+    raise InputError(
+        f"tensor {module!r} ({key}): the adapter output would hold NaN/Inf; the adapter's factors or "
+        "modules_to_save tensors hold non-finite values, or lora_alpha/r (the scaling) or a strength "
+        "overflows the output dtype; fix the adapter, or lower the strengths (--lambda, --alpha) or "
+        "write a wider output (--dtype fp32)"
+    )
+
+
 class AdapterStage:
     """The staging directory of an adapter output: spooled units, then the adapter's files."""
 
@@ -191,6 +206,8 @@ class AdapterStage:
     def put(self, index: int, tensors: dict[str, torch.Tensor], record: dict) -> None:
         """Spool one unit's tensors (streamed, hashed, journaled); ``record`` is its report record."""
         name = self.spool_name(index)
+        for k, t in tensors.items():
+            check_finite_output(k, t, record)
         entries = [(k, st_dtype(t), tuple(t.shape)) for k, t in tensors.items()]
         writer = self.stage.shard_writer(name, entries, {"format": "pt"})
         try:

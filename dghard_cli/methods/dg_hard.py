@@ -285,7 +285,7 @@ def filtered_pass(
         if full is not None:
             yield full.cpu()
     if job.shared_rows is not None and job.shape[0] > rows:
-        yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype)
+        yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype, job.name)
 
 
 def _filtered_block(b, f, proj: Projector, tall: bool, out_dtype, check) -> torch.Tensor:

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, cast_out
+from dghard_cli.engine.ops import STRENGTH_HINT, JobInputs, OutputRangeError, cast_out
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.methods import ties as T
@@ -424,9 +424,13 @@ class ElementwiseMergeOp:
             del deltas
             msq = squared_norm(merged)
             if not math.isfinite(msq):
-                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
+                # every input and delta is finite here (checked above): the strengths overflow
+                raise OutputRangeError(
+                    f"tensor {job.name!r}: the merge's weighted deltas overflow {wd} from finite "
+                    f"inputs; {STRENGTH_HINT}"
+                )
             merged_sq += msq
-            out = cast_out(merged.add_(b).cpu(), job.out_dtype)
+            out = cast_out(merged.add_(b).cpu(), job.out_dtype, job.name)
             del merged
             if job.out_dtype == "F16" and not bool(torch.isfinite(out).all()):
                 raise RuntimeFailure(
@@ -434,7 +438,7 @@ class ElementwiseMergeOp:
                 )
             yield out
         if job.shared_rows is not None and job.shape[0] > job.shared_rows:
-            yield cast_out(src.ft(0, (job.shared_rows, job.shape[0])), job.out_dtype)
+            yield cast_out(src.ft(0, (job.shared_rows, job.shape[0])), job.out_dtype, job.name)
         rec["delta_norms"] = [math.sqrt(s) for s in sumsq]
         rec["delta_norm"] = rec["delta_norms"][0]
         rec["delta_dot_bases"] = dots

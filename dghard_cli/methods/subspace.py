@@ -259,7 +259,7 @@ class TallBlocks:
         if full is not None:
             yield full
         if job.shared_rows is not None and job.shape[0] > self.rows:
-            yield cast_out(self.src.ft(0, (self.rows, job.shape[0])), job.out_dtype)
+            yield cast_out(self.src.ft(0, (self.rows, job.shape[0])), job.out_dtype, job.name)
 
 
 def _sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:

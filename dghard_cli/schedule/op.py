@@ -15,7 +15,15 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, TensorOp, cast_out, element_spans, passthrough
+from dghard_cli.engine.ops import (
+    STRENGTH_HINT,
+    JobInputs,
+    OutputRangeError,
+    TensorOp,
+    cast_out,
+    element_spans,
+    passthrough,
+)
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
@@ -85,13 +93,18 @@ class ScheduledOp:
                     b = src.flat("base", (e0, e0 + n_sched)).to(torch.float64)
                     yield self._scale(job, piece[:n_sched], b, lam)
                 if n_sched < piece.numel():  # rows the fine-tune added: its values
-                    yield cast_out(piece[n_sched:], job.out_dtype)
+                    yield cast_out(piece[n_sched:], job.out_dtype, job.name)
             e += k
 
     @staticmethod
     def _scale(job: TensorJob, w: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
         out = torch.sub(w, b).mul_(lam).add_(b)
         if not bool(torch.isfinite(out).all()):
+            if bool(torch.isfinite(w).all()) and bool(torch.isfinite(b).all()):
+                raise OutputRangeError(
+                    f"tensor {job.name!r}: layer {job.layer}'s strength {lam:g} (the layer schedule, "
+                    f"--layer-strengths) takes finite values past float64's range; {STRENGTH_HINT}"
+                )
             raise InputError(
                 f"tensor {job.name!r}: BASE or the fine-tune holds NaN or Inf; fix the checkpoint, "
                 "or pass --allow-nonfinite to keep such tensors as they are"
@@ -100,7 +113,7 @@ class ScheduledOp:
             raise RuntimeFailure(
                 f"tensor {job.name!r}: the scheduled values exceed float16's range; use --dtype bf16 or fp32"
             )
-        return cast_out(out, job.out_dtype)
+        return cast_out(out, job.out_dtype, job.name)
 
 
 def wrap(inner: Callable[[torch.device], TensorOp | None]) -> Callable[[torch.device], TensorOp]:

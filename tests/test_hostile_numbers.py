@@ -1,0 +1,293 @@
+"""Hostile numbers, sizes and resources: each class is closed where it starts (see
+docs/robustness.md, "Numbers, sizes and resources"). Every test here failed before its fix."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from dghard_cli.cli import app
+from dghard_cli.testing.synthetic import ArchConfig, make_pair
+
+CFG = ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+
+
+@pytest.fixture()
+def pair(tmp_path) -> tuple[Path, Path]:
+    make_pair(tmp_path, CFG, dtype="float32", base_shards=1, ft_shards=1, seed=0)
+    return tmp_path / "base", tmp_path / "ft"
+
+
+def invoke(*args: str):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+def one_line_error(r, code: int = 2) -> str:
+    assert r.exit_code == code, (r.exit_code, r.output, r.exception)
+    msg = r.output.strip()
+    assert "Traceback" not in msg, msg
+    return msg
+
+
+# --- the lock file ----------------------------------------------------------------------------
+
+
+def test_lock_file_that_is_a_symlink_says_so(pair, tmp_path):
+    base, ft = pair
+    (tmp_path / ".out.dghard-lock").symlink_to(tmp_path / "elsewhere")
+    msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"))
+    assert "symbolic link" in msg and "cannot create files" not in msg
+    assert not (tmp_path / "elsewhere").exists() and not (tmp_path / "out").exists()
+
+
+# --- report JSON is always strict JSON --------------------------------------------------------
+
+
+def test_reports_never_hold_nan_or_infinity_literals():
+    import json
+
+    from dghard_cli.io.report_json import json_text
+
+    doc = {"a": float("inf"), "b": [float("nan"), -float("inf"), 1.5], "c": {"d": (float("nan"),)}}
+    text = json_text(doc)
+    assert json.loads(text, parse_constant=lambda c: pytest.fail(f"literal {c}")) == {
+        "a": None,
+        "b": [None, None, 1.5],
+        "c": {"d": [None]},
+    }
+    assert (
+        json_text({"x": 1.0, "y": [1, "s", None]})
+        == json.dumps({"x": 1.0, "y": [1, "s", None]}, indent=2) + "\n"
+    )
+
+
+# --- one number reader: integers past float range, NaN, Inf ---------------------------------
+
+BIG = "1" + "0" * 400
+
+
+def lm_eval(value: str) -> str:
+    return '{"results": {"arc_easy": {"acc,none": ' + value + ', "alias": "arc_easy"}}}'
+
+
+def test_results_file_with_an_integer_past_float_range_names_the_key(tmp_path):
+    for name, v in (("base", "0.5"), ("ft", BIG), ("c", "0.6")):
+        (tmp_path / f"{name}.json").write_text(lm_eval(v))
+    r = invoke(
+        "score",
+        "--base",
+        tmp_path / "base.json",
+        "--ft",
+        tmp_path / "ft.json",
+        "--candidate",
+        tmp_path / "c.json",
+    )
+    msg = one_line_error(r)
+    assert "results.arc_easy.acc,none" in msg and "too large" in msg
+
+
+@pytest.mark.parametrize(
+    "value, why",
+    [
+        (BIG, "too large for a float"),
+        (f"-{BIG}", "too large for a float"),
+        (".nan", "not a finite"),
+        (".inf", "not a finite"),
+        ("-.inf", "not a finite"),
+    ],
+)
+def test_recipe_numbers_past_float_range_or_not_finite_are_refused_with_the_key(pair, tmp_path, value, why):
+    base, ft = pair
+    recipe = tmp_path / "r.yml"
+    recipe.write_text(
+        f"models:\n  - model: {ft}\n    parameters:\n      weight: {value}\n"
+        f"merge_method: linear\nbase_model: {base}\ndtype: float32\n"
+    )
+    msg = one_line_error(invoke("merge", "--config", recipe, "--out", tmp_path / "out"))
+    assert "models[0].parameters.weight" in msg and why in msg
+    assert not (tmp_path / "out").exists()
+
+
+def test_config_json_integer_past_float_range_is_refused(pair, tmp_path):
+    import json
+
+    base, ft = pair
+    cfg = json.loads((ft / "config.json").read_text())
+    text = json.dumps(cfg)[:-1] + f', "rope_theta": {BIG}}}'
+    (ft / "config.json").write_text(text)
+    msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"))
+    assert "rope_theta" in msg and "too large" in msg
+
+
+# --- one finiteness rule at the cast to the output dtype -------------------------------------
+
+
+def test_cast_out_refuses_finite_values_the_output_dtype_cannot_hold():
+    import torch
+
+    from dghard_cli.engine.ops import OutputRangeError, cast_out
+
+    f32max = torch.tensor([torch.finfo(torch.float32).max, 1.0])
+    with pytest.raises(OutputRangeError, match="'w'.*BF16"):
+        cast_out(f32max, "BF16", "w")
+    with pytest.raises(OutputRangeError, match="F16"):
+        cast_out(torch.tensor([70000.0]), "F16", "w")
+    bf16max = torch.tensor([torch.finfo(torch.bfloat16).max], dtype=torch.bfloat16)
+    assert torch.equal(cast_out(bf16max.float(), "BF16", "w"), bf16max)  # the extreme itself fits
+    nan = torch.tensor([float("nan")])
+    assert torch.isnan(cast_out(nan, "F16", "w")).all()  # already non-finite: the caller's concern
+
+
+@pytest.mark.parametrize("lam, dtype", [("1e+308", "fp32"), ("1e+30", "fp16")])
+def test_finite_lambda_whose_product_overflows_is_an_option_error(pair, tmp_path, lam, dtype):
+    base, ft = pair
+    out = tmp_path / "out"
+    r = invoke(
+        "merge", base, ft, "--method", "task-arithmetic", "--lambda", lam, "--dtype", dtype, "--out", out
+    )
+    msg = one_line_error(r).splitlines()[-1]
+    assert "--lambda" in msg and "NaN" not in msg and "checkpoint" not in msg
+    assert not out.exists()
+
+
+# --- the adapter route: the same finiteness rule where its tensors are written ---------------
+
+
+@pytest.mark.parametrize("case", ["nan-factor", "alpha-overflow"])
+@pytest.mark.parametrize("fmt", [("--format", "peft"), ()])
+def test_adapter_output_never_holds_nan_or_inf(tmp_path, case, fmt):
+    from dghard_cli.testing.synthetic_lora import make_adapter, write_adapter
+
+    arch = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    base, _ = make_pair(tmp_path / "pair", arch, ft_shards=1)
+    ad, tensors, cfg = make_adapter(tmp_path / "ad", arch, r=4, alpha=8, targets=("q_proj",))
+    if case == "nan-factor":
+        next(iter(tensors.values()))[0, 0] = float("nan")
+    else:
+        cfg["lora_alpha"] = 1e300  # alpha / r overflows float32
+    write_adapter(ad, tensors, cfg)
+    out = tmp_path / "out"
+    msg = one_line_error(invoke("merge", base, ad, "--method", "wise-ft", "--out", out, *fmt))
+    assert "q_proj" in msg and "NaN/Inf" in msg
+    assert not out.exists()
+
+
+# --- pattern tables in time linear in their size ----------------------------------------------
+
+MODULES = [
+    "model.layers.0.self_attn.q_proj",
+    "model.layers.1.self_attn.q_proj",
+    "model.layers.10.mlp.down_proj",
+    "model.layers.1.mlp.up_proj",
+    "lm_head",
+    "model.embed_tokens",
+]
+KEYS = [
+    "q_proj", "layers.1.self_attn.q_proj", "self_attn.q_proj", "layers.1", "mlp.down_proj", "layers.1.mlp.up.proj",
+    "x.layers.0.self_attn.q_proj", "lm_head", "model.embed_tokens", "embed_tokens", "1.mlp", "layers\\.1\\..*",
+    ".*q_proj", "up_proj|down_proj", "model.layers.1.self.attn.q.proj", "ayers.0.self_attn.q_proj", "mlp.up_proj",
+]  # fmt: skip
+
+
+def test_pattern_table_matches_exactly_as_peft_does():
+    import itertools
+    import random
+
+    from dghard_cli.io.patterns import peft_key_match
+    from dghard_cli.lora.config import pattern_key, pattern_table
+
+    rng = random.Random(0)
+    for n in (1, 2, 3, 5, len(KEYS)):
+        for keys in itertools.islice(itertools.permutations(KEYS, n), 40) if n < 4 else [rng.sample(KEYS, n)]:
+            table = dict.fromkeys(keys, 1)
+            for m in MODULES:
+                want = next((k for k in keys if peft_key_match(k, m)), None)
+                assert pattern_key(table, m) == want, (keys, m)
+            used = {i for i, k in enumerate(keys) if any(peft_key_match(k, m) for m in MODULES)}
+            assert pattern_table(table).matched(MODULES) == used
+
+
+def test_100000_rank_pattern_keys_are_read_and_matched_in_under_2_s():
+    import time
+
+    from dghard_cli.lora.config import parse_config
+
+    raw = {"r": 8, "lora_alpha": 16, "target_modules": ["q_proj"], "peft_type": "LORA"}
+    raw["rank_pattern"] = {f"layers.{i}.self_attn.q_proj": 4 for i in range(100_000)}
+    raw["rank_pattern"]["layers.99999.self_attn.q_proj"] = 2
+    t0 = time.perf_counter()
+    cfg, _ = parse_config(raw, "adapter_config.json")
+    ranks = [cfg.rank_for(m) for m in MODULES * 20]
+    assert time.perf_counter() - t0 < 2.0
+    assert ranks[:2] == [4, 4] and cfg.rank_for("model.layers.99999.self_attn.q_proj") == 2
+
+
+# --- sizes from files are bounded before they are used -----------------------------------------
+
+
+@pytest.mark.parametrize("key, value", [("num_hidden_layers", 10**12), ("n_layer", 10**12)])
+def test_absurd_layer_count_in_config_is_refused_before_allocating(pair, tmp_path, key, value):
+    import json
+
+    base, ft = pair
+    for d in (base, ft):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.pop("num_hidden_layers", None)
+        cfg.pop("n_layer", None)
+        cfg[key] = value
+        (d / "config.json").write_text(json.dumps(cfg))
+    r = invoke("repair", base, ft, tmp_path / "out", "--lines", "0.2,0.6", "--device", "cpu")
+    msg = one_line_error(r)
+    assert key in msg and "absurd" in msg
+
+
+def test_absurd_layer_index_in_a_tensor_name_is_refused_before_allocating():
+    from dghard_cli.architecture import model_depth
+    from dghard_cli.errors import InputError
+
+    names = ["model.layers.0.mlp.up_proj.weight", f"model.layers.{10**12}.mlp.up_proj.weight"]
+    with pytest.raises(InputError, match="1000000000000"):
+        model_depth(names, None)
+    with pytest.raises(InputError, match="absurdly large"):
+        model_depth(["model.layers." + "9" * 5000 + ".mlp.up_proj.weight"], None)
+    assert model_depth(["model.layers.0.a", "model.layers.1.a"], {"num_hidden_layers": 2}).num_layers == 2
+    with pytest.raises(InputError, match="block 1 is missing"):
+        model_depth(["model.layers.0.a", "model.layers.2.a"], None)
+
+
+# --- OS resources: exhaustion is a runtime failure, many models are refused up front -----------
+
+
+def test_too_many_open_files_is_a_runtime_failure_not_a_bad_shard(pair, tmp_path, monkeypatch):
+    import errno
+
+    from dghard_cli.io import files
+
+    base, ft = pair
+    real_open = files.os.open
+
+    def emfile(path, *a, **k):
+        if str(path).endswith(".safetensors") and str(ft) in str(path):
+            raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(files.os, "open", emfile)
+    msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"), code=3)
+    assert "Too many open files" in msg and "ulimit -n" in msg and "not at fault" in msg
+
+
+def test_merging_more_models_than_descriptors_allow_is_refused_before_opening_any(
+    pair, tmp_path, monkeypatch
+):
+    import resource
+
+    base, ft = pair
+    monkeypatch.setattr(resource, "getrlimit", lambda _which: (100, 100))
+    r = invoke("merge", base, *([ft] * 30), "--method", "task-arithmetic", "--out", tmp_path / "out")
+    msg = one_line_error(r)
+    assert "31 models" in msg and "at most 18" in msg and "ulimit -n" in msg
+    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
