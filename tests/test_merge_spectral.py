@@ -473,6 +473,33 @@ def test_ill_conditioned_matrix_is_refused_for_float32_and_merged_for_bf16(tmp_p
     assert np.abs(f64(got) - ref).max() <= UBF16 * np.abs(ref).max()
 
 
+@pytest.mark.parametrize("method", ["tsv", "iso-c"])
+def test_a_layer_schedule_checks_the_written_dtype_not_its_float64_intermediate(tmp_path, method):
+    """``--lines`` asks the method for float64 before its own cast: the accuracy check is still the
+    written dtype's (refused for float32, naming F32 and 2^-24; merged for bf16, equal to
+    W_base + λ·Δ*), not float32's under the label F64 for every dtype."""
+    g = torch.Generator().manual_seed(3)
+    u = torch.linalg.qr(torch.randn((64, 32), generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn((32, 32), generator=g, dtype=torch.float64))[0]
+    delta = (u * torch.logspace(0, -5.5, 32, dtype=torch.float64)) @ v.T
+    name = "model.layers.0.mlp.up_proj.weight"
+    zero = torch.zeros((64, 32), dtype=torch.float32)
+    one = dataclasses.replace(CFG, num_hidden_layers=1)  # --lines checks the config against the blocks
+    write_checkpoint(tmp_path / "b", [(name, zero)], config=one.to_hf("float32"))
+    write_checkpoint(tmp_path / "f", [(name, delta.to(torch.float32))], config=one.to_hf("float32"))
+    args = ("merge", "--method", method, tmp_path / "b", tmp_path / "f", "--lines", "0.5,0")
+    res = run_dghard(*args, "--out", tmp_path / "o32")
+    assert res.returncode == 2 and res.stderr.count("dghard: error:") == 1, res.stderr
+    assert f"exceeds the F32 output's resolution {U32:.1e}" in res.stderr, res.stderr
+    assert not (tmp_path / "o32").exists()
+    ok = run_dghard(*args, "--out", tmp_path / "o", "--dtype", "bf16")
+    assert ok.returncode == 0, ok.stderr
+    got = f64(load_dir(tmp_path / "o")[name])
+    d = f64(load_dir(tmp_path / "f")[name])
+    ref = 0.5 * (ref_iso_c if method == "iso-c" else ref_tsv)(np.zeros_like(d), [d])
+    assert np.abs(got - ref).max() <= UBF16 * np.abs(ref).max()
+
+
 def test_nonfinite_input_is_refused(tmp_path):
     base, fts = odd_shapes(tmp_path, n=2)
     sd = load_file(str(fts[0] / "model.safetensors"))

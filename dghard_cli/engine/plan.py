@@ -46,6 +46,9 @@ class TensorJob:
     tied_to: str | None = None
     layer: str | int | None = None  # under a layer-strength schedule: "embed", block index, "head"
     strength: float | None = None  # ... and its λ (see dghard_cli/schedule/)
+    #: The dtype finally written when ``out_dtype`` is a wide intermediate (a schedule asks the method for
+    #: float64 before its own single cast); None: ``out_dtype`` is what is written.
+    final_dtype: str | None = None
 
     @property
     def out_nbytes(self) -> int:

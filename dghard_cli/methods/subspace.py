@@ -317,7 +317,8 @@ class SubspaceMergeOp:
             yield from passthrough(job, src, rec)
             return
         bound = EPS64 * res.amplification
-        tol = tolerance(job.out_dtype)
+        written = job.final_dtype or job.out_dtype  # a schedule's wide intermediate is not what is written
+        tol = tolerance(written)
         rec.update(
             {
                 "merge_rule": self.name,
@@ -331,7 +332,7 @@ class SubspaceMergeOp:
             raise InputError(
                 f"tensor {job.name!r}: --method {self.name} divides by singular values down to "
                 f"1/{math.sqrt(res.amplification):.3g} of the largest here, and the float64 Gram route's "
-                f"error bound {bound:.1e} exceeds the {job.out_dtype} output's resolution {tol:.1e}; write "
+                f"error bound {bound:.1e} exceeds the {written} output's resolution {tol:.1e}; write "
                 "a lower-precision output (--dtype bf16) or --exclude the tensor"
             )
         yield from blocks.output(res.left, res.kernel)

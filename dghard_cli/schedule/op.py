@@ -75,7 +75,7 @@ class ScheduledOp:
             rec.pop("layer_strength", None)
             yield from passthrough(job, src, rec)
             return
-        wide_job = dataclasses.replace(job, out_dtype=WIDE)
+        wide_job = dataclasses.replace(job, out_dtype=WIDE, final_dtype=job.final_dtype or job.out_dtype)
         op = passthrough if (self.inner is None or job.action == "scaled") else self.inner
         scaled_rows = job.shared_rows if job.shared_rows is not None else (job.shape[0] if job.shape else 1)
         row_elems = math.prod(job.shape[1:]) if len(job.shape) >= 1 else 1
