@@ -20,7 +20,7 @@ from dghard_cli.errors import InputError
 from dghard_cli.sweep.candidate_file import load_candidates, parse_candidates
 from dghard_cli.sweep.family_dispatch import make_candidate
 from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
-from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_candidate, refine_probe
+from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_round, refine_probe, refine_probes
 from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise
 
 CFG = ArchConfig(
@@ -669,8 +669,9 @@ def test_golden_section_refinement_finds_the_optimum_of_a_unimodal_axis():
     coarse = coarse_order([entry], 1)
     evaluated: dict = {}
     values = []
+    rounds = []
     for _ in range(40):
-        nxt = next_candidate(
+        batch = next_round(
             [entry],
             1,
             coarse,
@@ -679,18 +680,35 @@ def test_golden_section_refinement_finds_the_optimum_of_a_unimodal_axis():
             2,
             lambda e: max(evaluated.values()) if evaluated else None,
         )
-        if nxt is None:
+        if not batch:
             break
-        cand, phase = nxt
-        values.append((cand.value, phase))
-        evaluated[cand.params] = obj(cand.value)
-    assert [p for _, p in values[:2]] == ["coarse", "coarse"]
+        rounds.append([phase for _, phase in batch])
+        for cand, phase in batch:  # a round depends only on earlier rounds
+            values.append((cand.value, phase))
+            evaluated[cand.params] = obj(cand.value)
+    assert rounds[0] == ["coarse", "coarse"]  # the coarse grid is one round
+    assert all(r == ["refine"] * len(r) and len(r) <= 2 for r in rounds[1:])  # both neighbours at once
+    assert any(len(r) == 2 for r in rounds[1:])
     best = max(values, key=lambda vp: obj(vp[0]))[0]
     assert abs(math.log(best / peak)) < 0.02
-    assert len(values) < 25  # stops by itself once the bracket is below the tolerance
+    assert len(values) < 30  # stops by itself once the bracket is below the tolerance
     # a refinement probe never repeats a point
     assert len({v for v, _ in values}) == len(values)
     assert refine_probe(entry, {1.0: None, 4.0: None}) is None  # nothing succeeded: nothing to refine
+    assert refine_probes(entry, {1.0: None, 4.0: None}) == []
+
+
+def test_a_golden_section_step_probes_both_sides_wider_first():
+    (entry,) = parse_candidates(
+        {"families": [{"family": "wise-ft", "grid": [0.5], "range": [0.0, 1.0], "tolerance": 0.02}]}, "x"
+    )
+    # best 0.5, neighbours 0.2 (left, width 0.3) and 1.0 (range end, width 0.5): right first
+    probes = refine_probes(entry, {0.2: (1, 1.0), 0.5: (1, 2.0)})
+    g = (3 - math.sqrt(5)) / 2
+    assert probes == [round(0.5 + g * 0.5, 4), round(0.5 - g * 0.3, 4)]
+    assert refine_probe(entry, {0.2: (1, 1.0), 0.5: (1, 2.0)}) == probes[0]
+    # a side narrower than the tolerance is not probed
+    assert refine_probes(entry, {0.49: (1, 1.0), 0.5: (1, 2.0), 0.51: (1, 1.0)}) == []
 
 
 def test_coarse_points_go_round_robin_and_leave_room_to_refine():

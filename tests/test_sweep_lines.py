@@ -17,7 +17,7 @@ from dghard_cli.sweep import lines as L
 from dghard_cli.sweep.candidate_file import parse_candidates
 from dghard_cli.sweep.family_dispatch import make_candidate, reproduce_argv, write_candidate
 from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
-from dghard_cli.sweep.search import coarse_order, next_candidate
+from dghard_cli.sweep.search import coarse_order, next_round
 
 # one coarse point, a coarse compass (steps 0.25, then done) and the per-group stage after it
 LINES_ONLY = """
@@ -185,15 +185,16 @@ def test_compass_search_finds_the_optimum_of_a_concave_surface_and_stops():
     evaluated: dict = {}
     seen = []
     for _ in range(80):
-        nxt = next_candidate(
+        batch = next_round(
             [e], 1, coarse, evaluated, sum(1 for c in coarse if c.params in evaluated), 2,
             lambda _e: max(evaluated.values()) if evaluated else None,
         )  # fmt: skip
-        if nxt is None:
+        if not batch:
             break
-        cand, _ = nxt
-        seen.append(cand.value)
-        evaluated[cand.params] = obj(cand.value)
+        assert len(batch) <= 4  # a compass step: at most the four neighbours, at once
+        for cand, _ in batch:
+            seen.append(cand.value)
+            evaluated[cand.params] = obj(cand.value)
     assert len(seen) < 60  # stops by itself once the step is below the tolerance
     assert len(set(seen)) == len(seen)  # never the same point twice
     best = max(seen, key=obj)
@@ -217,6 +218,13 @@ def test_compass_probe_units():
     # rounding noise does not create 2.8e-17
     pts = {(0.1, 0.3): (1, 0.0), (0.2, 0.3): (1, -1.0)}
     assert L.compass_probe(pts, (0, 0), (1, 1), 0.1, 0.02) == (0.0, 0.3)
+    # one step: every unevaluated neighbour at the current step, α+ α− β+ β−
+    assert L.compass_probes({(0.5, 0.5): (1, 0.0)}, (0, 0), (1, 1), 0.1, 0.02) == [
+        (0.6, 0.5),
+        (0.4, 0.5),
+        (0.5, 0.6),
+        (0.5, 0.4),
+    ]
 
 
 def test_group_schedules():

@@ -445,23 +445,29 @@ def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
 def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
     experts, swept, tmp_path, monkeypatch
 ):
+    import os
+    import signal
+    import time
+
     from dghard_cli.errors import Interrupted
-    from dghard_cli.sweep import steps
+    from dghard_cli.sweep import jobs
 
     doc, _ = swept
-    real, calls = steps.run_command, []
+    real, calls = jobs.run_command, []
 
     def interrupt_at_the_12th(*args, **kwargs):
         calls.append(1)
         if len(calls) == 12:  # 4 references, then the 8th candidate: before the follow-ups
-            raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this evaluation runs
+            time.sleep(1)
+            raise RuntimeError("stopped by the interruption")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(steps, "run_command", interrupt_at_the_12th)
+    monkeypatch.setattr(jobs, "run_command", interrupt_at_the_12th)
     out = tmp_path / "resumed"
     with pytest.raises(Interrupted):
         _sweep(experts, out, budget=16)
-    monkeypatch.setattr(steps, "run_command", real)
+    monkeypatch.setattr(jobs, "run_command", real)
     again = _sweep(experts, out, budget=16)
     assert again["budget"]["from_cache"] == 11 and again["budget"]["run_now"] == 16 - 11
     assert [r["name"] for r in again["candidates"]] == [r["name"] for r in doc["candidates"]]

@@ -7,11 +7,12 @@ shrinker in ``fixed`` (``{shrink: hard, scale: 1.0}``), ``… --lines α,β --sh
 1. **Coarse**: the entry's ``grid`` of (α, β) points — a list of pairs, evaluated in that order,
    or ``{alpha: [...], beta: [...]}`` for their product (α-major) — round-robin with the other
    entries, as for every family.
-2. **Local refinement** (a compass search): around the best (α, β) so far, the next probe is the
-   first unevaluated point of ``best ± s·span`` along α, then along β (+ before −), where the step
-   ``s`` (a share of each axis's range) starts at the distance to the nearest evaluated point
-   (at most ``step``, default 0.1) and halves whenever all four neighbours are evaluated; the
-   stage is done when ``s`` falls below ``tolerance``. Probes are rounded to 4 significant digits
+2. **Local refinement** (a compass search): around the best (α, β) so far, one step probes
+   every unevaluated point of ``best ± s·span`` along α and along β at once (one round of the
+   sweep, in the order α+, α−, β+, β−), where the step ``s`` (a share of each axis's range)
+   starts at the distance to the nearest evaluated point (at most ``step``, default 0.1) and
+   halves whenever all four neighbours are evaluated; the stage is done when ``s`` falls below
+   ``tolerance``. Probes are rounded to 4 significant digits
    and clipped to the ranges.
 3. **Per-group refinement** (``dghard sweep --refine groups``), once the (α, β) stage is done: a
    coordinate search of the same kind on per-group offsets δ added to the best schedule —
@@ -41,13 +42,20 @@ from dghard_cli.sweep.lines_candidates import (
     write_candidate,
 )
 from dghard_cli.sweep.lines_entry import bind_entries, check_entry, parse_entry
-from dghard_cli.sweep.lines_search import compass_probe, entry_points, refine_probe
+from dghard_cli.sweep.lines_search import (
+    compass_probe,
+    compass_probes,
+    entry_points,
+    refine_probe,
+    refine_probes,
+)
 
 __all__ = [
     "GroupPoint",
     "bind_entries",
     "check_entry",
     "compass_probe",
+    "compass_probes",
     "entry_points",
     "group_names",
     "group_ranges",
@@ -55,6 +63,7 @@ __all__ = [
     "make_candidate",
     "parse_entry",
     "refine_probe",
+    "refine_probes",
     "reproduce_argv",
     "write_candidate",
 ]

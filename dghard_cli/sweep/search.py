@@ -1,20 +1,27 @@
-"""Where ``dghard sweep`` spends its evaluations: a coarse grid, then golden-section refinement.
+"""Where ``dghard sweep`` spends its evaluations: a coarse grid, then golden-section refinement,
+in *rounds*.
 
-Pure functions of what has been evaluated so far, so a resumed sweep (whose earlier results
-come from the cache) takes exactly the same steps as one that was never interrupted.
+A round is a list of candidates chosen from what earlier rounds measured, and nothing else: its
+candidates can be evaluated one after another or all at once (``--jobs``, a Ray cluster), in any
+order of completion, and the next round is the same. So the evaluated set and the winner do not
+depend on how many evaluations run at a time, and a resumed sweep (whose earlier results come
+from the cache) takes exactly the same steps as one that was never interrupted.
 
-1. **Coarse**: the entries' grid points, round-robin in file order (the first grid value of
-   every entry, then the second of every entry, ...), up to ``coarse_allotment`` evaluations:
-   all of them when they fit in three quarters of the candidate budget, else three quarters
-   of it (but at least one point per entry when the budget allows).
-2. **Refine**: the entry whose best candidate ranks first is refined by one golden-section
-   step: around its best point ``x`` and the nearest evaluated points (or range ends) on
-   either side, the next probe goes into the wider side at 0.382 of its width (in log
-   coordinates for log axes), rounded to 4 significant digits. An entry is done when its
-   wider side is narrower than ``tolerance`` × the range, or the probe rounds onto an
-   evaluated value; then the next-ranked entry is refined.
-3. When no entry can be refined, the remaining coarse points are evaluated; the sweep stops
-   when the budget is spent or nothing is left.
+1. **Coarse** (one round): the entries' grid points, round-robin in file order (the first grid
+   value of every entry, then the second of every entry, ...), up to ``coarse_allotment``
+   evaluations: all of them when they fit in three quarters of the candidate budget, else three
+   quarters of it (but at least one point per entry when the budget allows).
+2. **Refine** (one round per step): the entry whose best candidate ranks first is refined by one
+   golden-section step that probes both neighbours of its best point ``x`` at once: on each side
+   of ``x``, between it and the nearest evaluated point (or range end), a probe at 0.382 of that
+   side's width (in log coordinates for log axes), rounded to 4 significant digits, the wider
+   side first; a side narrower than ``tolerance`` × the range, or whose probe rounds onto an
+   evaluated value, is not probed. An entry is done when neither side is; then the next-ranked
+   entry is refined. (The ``lines`` family probes every unevaluated compass neighbour of its best
+   point at once: :mod:`dghard_cli.sweep.lines_search`.)
+3. When no entry can be refined, the remaining coarse points are one round; the sweep stops
+   when the budget is spent or nothing is left. A round larger than the budget left is cut to
+   its first candidates.
 """
 
 from __future__ import annotations
@@ -53,20 +60,21 @@ def coarse_allotment(candidate_budget: int, n_coarse: int, n_entries: int) -> in
     return min(n_coarse, candidate_budget, max(share, min(n_entries, candidate_budget)))
 
 
-def refine_probe(entry: FamilyEntry, points: dict[float, Objective]) -> float | None:
-    """The next golden-section probe on ``entry``'s axis, or None when it is done.
+def refine_probes(entry: FamilyEntry, points: dict[float, Objective]) -> list:
+    """The next golden-section step on ``entry``'s axis: a probe on each side of the best point
+    that is still wide enough, the wider side first (empty when the entry is done).
 
     ``points`` maps the evaluated axis values of this entry to their objectives.
     """
     if entry.family == "lines":  # two axes: a compass search (sweep/lines.py)
         from dghard_cli.sweep import lines
 
-        return lines.refine_probe(entry, points)  # type: ignore[arg-type, return-value]
+        return lines.refine_probes(entry, points)  # type: ignore[arg-type]
     if not entry.refine:
-        return None
+        return []
     ok = {v: o for v, o in points.items() if o is not None}
     if not ok:
-        return None
+        return []
     best = max(ok, key=lambda v: (ok[v], -v))  # equal objectives: the smallest value
     xs = sorted(points)
     i = xs.index(best)
@@ -75,17 +83,25 @@ def refine_probe(entry: FamilyEntry, points: dict[float, Objective]) -> float | 
     right = entry.coord(xs[i + 1]) if i + 1 < len(xs) else entry.coord(entry.hi)
     wl, wr = u - left, right - u
     span = entry.coord(entry.hi) - entry.coord(entry.lo)
-    if max(wl, wr) < entry.tolerance * span:
-        return None
-    probe_u = u + GOLDEN * wr if wr >= wl else u - GOLDEN * wl
-    probe = round_sig(entry.value(probe_u))
-    probe = min(max(probe, entry.lo), entry.hi)
-    if probe in points or probe == best:
-        return None
-    return probe
+    sides = [(wr, 1.0), (wl, -1.0)] if wr >= wl else [(wl, -1.0), (wr, 1.0)]
+    out: list[float] = []
+    for width, sign in sides:
+        if width < entry.tolerance * span:
+            continue
+        probe = round_sig(entry.value(u + sign * GOLDEN * width))
+        probe = min(max(probe, entry.lo), entry.hi)
+        if probe not in points and probe != best and probe not in out:
+            out.append(probe)
+    return out
 
 
-def next_candidate(
+def refine_probe(entry: FamilyEntry, points: dict[float, Objective]) -> object | None:
+    """The first probe of :func:`refine_probes` (the wider side), or None when the entry is done."""
+    probes = refine_probes(entry, points)
+    return probes[0] if probes else None
+
+
+def next_round(
     entries: Sequence[FamilyEntry],
     n_fts: int,
     coarse: list[Candidate],
@@ -93,27 +109,29 @@ def next_candidate(
     coarse_done: int,
     allot: int,
     entry_rank: Callable[[FamilyEntry], tuple | None],
-) -> tuple[Candidate, str] | None:
-    """The next candidate to evaluate and its phase (``coarse`` | ``refine``), or None.
+) -> list[tuple[Candidate, str]]:
+    """The next round: candidates to evaluate, each with its phase (``coarse`` | ``refine``);
+    empty when the search is done.
 
     ``evaluated`` maps a candidate's ``params`` to its objective; ``entry_rank`` gives an
-    entry's best objective (None when it has no successful candidate).
+    entry's best objective (None when it has no successful candidate). The caller cuts a round
+    to the budget it has left.
     """
     pending = [c for c in coarse if c.params not in evaluated]
     if coarse_done < allot and pending:
-        return pending[0], "coarse"
+        return [(c, "coarse") for c in pending[: allot - coarse_done]]
     ranked = [e for e in entries if entry_rank(e) is not None]
     ranked.sort(key=lambda e: entry_rank(e), reverse=True)  # type: ignore[arg-type, return-value]
     for e in ranked:
         pts = entry_points(e, n_fts, coarse, evaluated)
-        probe = refine_probe(e, pts)
-        if probe is not None:
+        step: list[tuple[Candidate, str]] = []
+        for probe in refine_probes(e, pts):
             cand = make_candidate(e, probe, n_fts=n_fts)
-            if cand.params not in evaluated:
-                return cand, "refine"
-    if pending:
-        return pending[0], "coarse"
-    return None
+            if cand.params not in evaluated and all(cand.params != c.params for c, _ in step):
+                step.append((cand, "refine"))
+        if step:
+            return step
+    return [(c, "coarse") for c in pending]
 
 
 def entry_points(
