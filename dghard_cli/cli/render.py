@@ -22,10 +22,11 @@ from dghard_cli.cli.render_checkpoint import (
     summary_table,
 )
 from dghard_cli.cli.render_score import render_score
-from dghard_cli.cli.render_sweep import progress_printer, render_sweep
+from dghard_cli.cli.render_sweep import json_lines, progress_printer, render_sweep
 
 __all__ = [
     "is_adapter_doc",
+    "json_lines",
     "progress_printer",
     "render_adapter",
     "render_findings",

@@ -103,36 +103,163 @@ def render_sweep(console: Console, doc: dict) -> None:
         console.print(Text(f"gate: {'PASS' if g['passed'] else 'FAIL'}: {g['reason']}"))
 
 
-def progress_printer(console: Console):
-    def on_event(ev: dict) -> None:
+def _eta(seconds: float | None) -> str:
+    if seconds is None:
+        return "—"
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600} h {s % 3600 // 60:02d} min"
+    if s >= 60:
+        return f"{s // 60} min {s % 60:02d} s"
+    return f"{s} s"
+
+
+def _progress_tail(ev: dict) -> str:
+    """``· 2 running, 5 queued, best NAME (HM x), ETA …`` from an event's progress fields."""
+    if "done" not in ev:
+        return ""
+    parts = []
+    if ev.get("running"):
+        parts.append(f"{len(ev['running'])} running")
+    if ev.get("queued"):
+        parts.append(f"{ev['queued']} queued")
+    if ev.get("best"):
+        parts.append(f"best {ev['best']['name']} (HM {_fmt_sweep(ev['best']['hm'])})")
+    if ev.get("eta_s") is not None and (ev.get("running") or ev.get("queued") or ev["done"] < ev["budget"]):
+        parts.append(f"ETA {_eta(ev['eta_s'])}")
+    return (" · " + ", ".join(parts)) if parts else ""
+
+
+def _candidate_line(ev: dict) -> str:
+    r = ev["row"]
+    head = f"[dghard] sweep {ev['order']}/{ev['budget']} {r['name']} ({r['phase']})"
+    if r["status"] == "ok":
+        tail = f"HM {_fmt_sweep(r['hm'])} (repair {_fmt_sweep(r['repair'])} %, retention {_fmt_sweep(r['retention'])} %)"
+        if r.get("feasible") is False:
+            worst = min(
+                (v for v in (r.get("target_retention") or {}).values() if v is not None), default=None
+            )
+            bar = ev.get("min_target_retention")
+            tail += f"; cannot win: target retention {_fmt_sweep(worst)} % is below" + (
+                f" --min-target-retention {bar:g} %" if bar is not None else " the bar"
+            )
+    else:
+        tail = f"{r['status']}: {r['message']}"
+    secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
+    when = "cached" if r["cached"] else f"{secs:.1f} s"
+    on = f" on device {r['device']}" if r.get("device") is not None else ""
+    return f"{head}: {tail} [{when}{on}]"
+
+
+class ProgressLines:
+    """Progress as plain lines (logs, pipes): one per reference and per finished candidate, the
+    counts of running and queued evaluations, the best so far and an ETA after each."""
+
+    def __init__(self, console: Console) -> None:
+        self.console = console
+
+    def __call__(self, ev: dict) -> None:
         kind = ev["kind"]
         if kind == "info":
-            console.print(Text(f"[dghard] sweep: {ev['message']}"))
+            self.console.print(Text(f"[dghard] sweep: {ev['message']}"))
         elif kind == "reference":
             if ev["source"] == "given":
-                console.print(Text(f"[dghard] sweep: {ev['name']}: results from {ev['path']}"))
+                self.console.print(Text(f"[dghard] sweep: {ev['name']}: results from {ev['path']}"))
             else:
                 how = "cached" if ev["source"] == "cached" else f"evaluated in {ev['seconds']:.1f} s"
-                console.print(Text(f"[dghard] sweep: {ev['name']} {how} ({ev['benchmarks']} benchmarks)"))
-        elif kind == "evaluating" and "order" not in ev:
-            console.print(Text(f"[dghard] sweep: evaluating {ev['name']} ..."))
+                self.console.print(
+                    Text(f"[dghard] sweep: {ev['name']} {how} ({ev['benchmarks']} benchmarks)")
+                )
+        elif kind == "evaluating" and "done" not in ev:
+            self.console.print(Text(f"[dghard] sweep: evaluating {ev['name']} ..."))
+        elif kind == "evaluating" and ev.get("slots", 1) > 1:
+            on = f" on device {ev['device']}" if ev.get("device") is not None else ""
+            self.console.print(Text(f"[dghard] sweep: started {ev['name']}{on}"))
         elif kind == "candidate":
-            r = ev["row"]
-            head = f"[dghard] sweep {ev['order']}/{ev['budget']} {r['name']} ({r['phase']})"
-            if r["status"] == "ok":
-                tail = f"HM {_fmt_sweep(r['hm'])} (repair {_fmt_sweep(r['repair'])} %, retention {_fmt_sweep(r['retention'])} %)"
-                if r.get("feasible") is False:
-                    worst = min(
-                        (v for v in (r.get("target_retention") or {}).values() if v is not None), default=None
-                    )
-                    bar = ev.get("min_target_retention")
-                    tail += f"; cannot win: target retention {_fmt_sweep(worst)} % is below" + (
-                        f" --min-target-retention {bar:g} %" if bar is not None else " the bar"
-                    )
-            else:
-                tail = f"{r['status']}: {r['message']}"
-            secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
-            when = "cached" if r["cached"] else f"{secs:.1f} s"
-            console.print(Text(f"{head}: {tail} [{when}]"))
+            self.console.print(Text(_candidate_line(ev) + _progress_tail(ev)))
 
-    return on_event
+    def close(self) -> None:
+        pass
+
+
+class ProgressTable(ProgressLines):
+    """Progress on a terminal: the lines above scroll, and below them a live table of the
+    running evaluations (elapsed time, device), the counts, the best so far and the ETA."""
+
+    def __init__(self, console: Console) -> None:
+        super().__init__(console)
+        from rich.live import Live
+
+        self.state: dict = {}
+        self.started: dict[str, float] = {}
+        self.live = Live(console=console, get_renderable=self.table, refresh_per_second=2, transient=True)
+        self.live.start()
+
+    def __call__(self, ev: dict) -> None:
+        import time
+
+        if "done" in ev:
+            self.state = ev
+        if ev["kind"] == "evaluating" and "done" in ev:
+            self.started[ev["name"]] = time.time()
+        if ev["kind"] == "candidate":
+            self.started.pop(ev["row"]["name"], None)
+            self.console.print(Text(_candidate_line(ev)))
+        elif ev["kind"] == "finished":
+            self.close()
+        elif ev["kind"] != "evaluating" or "done" not in ev:
+            super().__call__(ev)
+
+    def table(self) -> Table:
+        import time
+
+        st = self.state
+        t = Table(box=None, show_header=True, header_style="bold", title_justify="left")
+        t.add_column("running")
+        t.add_column("for", justify="right")
+        now = time.time()
+        for name in st.get("running", []):
+            t.add_row(Text(name), _eta(now - self.started.get(name, now)))
+        if st:
+            best = st.get("best")
+            t.caption = (
+                f"done {st['done']}/{st['budget']} · running {len(st.get('running', []))} · queued "
+                f"{st.get('queued', 0)} · best {best['name'] + ' HM ' + _fmt_sweep(best['hm']) if best else '—'}"
+                f" · ETA {_eta(st.get('eta_s'))}"
+            )
+            t.caption_justify = "left"
+        return t
+
+    def close(self) -> None:
+        if self.live.is_started:
+            self.live.stop()
+
+
+def progress_printer(console: Console) -> ProgressLines:
+    """The progress display of a sweep: a live table on a terminal, plain lines elsewhere."""
+    return ProgressTable(console) if console.is_terminal else ProgressLines(console)
+
+
+class JsonLines:
+    """Progress as one JSON object per line (``--json``: CI logs), with the same fields."""
+
+    def __init__(self, console: Console) -> None:
+        self.file = console.file
+
+    def __call__(self, ev: dict) -> None:
+        from dghard_cli.io.report_json import json_text
+
+        ev = dict(ev)
+        if "row" in ev:  # the row as the report has it, less what only the report needs
+            ev["row"] = {
+                k: v for k, v in ev["row"].items() if k not in ("score", "objective", "key", "log_tail")
+            }
+        self.file.write(json_text(ev, indent=None, default=str))
+        self.file.flush()
+
+    def close(self) -> None:
+        pass
+
+
+def json_lines(console: Console) -> JsonLines:
+    return JsonLines(console)

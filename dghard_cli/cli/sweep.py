@@ -27,6 +27,12 @@ The template runs through the shell; {model} and {output} become shell-quoted pa
 quote them yourself). {output} does not exist yet: write a results JSON file there or a
 directory with lm-evaluation-harness results*.json. Without {output}, print the JSON on stdout.
 An interrupted sweep resumes when the same command is run again.
+
+    dghard sweep BASE FT OUT --eval './my_eval.sh {model} {output}' --devices 0,1,2,3   # 4 evaluations at a time, one GPU each
+
+    dghard sweep BASE FT OUT --eval './my_eval.sh {model} {output}' --executor ray --ray-address auto --eval-resources gpu=1 --jobs 16
+
+With --json, progress goes to stderr as one JSON object per line and the report to stdout.
 """
 
 
@@ -122,6 +128,60 @@ def sweep_cmd(
             help="groups: after the lines family's (α, β) search, a coordinate search on per-group strengths (embeddings, block ranges, head) while the budget lasts.",
         ),
     ] = None,
+    jobs: Annotated[
+        Optional[int],
+        typer.Option(
+            "--jobs",
+            help="Candidates written and evaluated at a time (default 1, or one per --devices entry); "
+            "the evaluated set and the winner do not depend on it.",
+            show_default=False,
+            rich_help_panel="Execution",
+        ),
+    ] = None,
+    devices: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--devices",
+            help="GPUs for the evaluations, e.g. 0,1,2,3: each running evaluation gets one "
+            "(CUDA_VISIBLE_DEVICES, and {device} in --eval).",
+            show_default=False,
+            rich_help_panel="Execution",
+        ),
+    ] = None,
+    executor: Annotated[
+        str,
+        typer.Option(
+            "--executor",
+            help="local (this machine) or ray (each write-and-evaluate a Ray task; pip install 'dghard[ray]').",
+            rich_help_panel="Execution",
+        ),
+    ] = "local",
+    ray_address: Annotated[
+        Optional[str],
+        typer.Option(
+            "--ray-address",
+            help="Ray cluster to use (auto, HOST:PORT or ray://HOST:PORT; default: a local one).",
+            show_default=False,
+            rich_help_panel="Execution",
+        ),
+    ] = None,
+    eval_resources: Annotated[
+        Optional[str],
+        typer.Option(
+            "--eval-resources",
+            help="Ray resources of one evaluation, e.g. gpu=1,cpu=8 (other names: custom resources).",
+            show_default=False,
+            rich_help_panel="Execution",
+        ),
+    ] = None,
+    keep_candidates: Annotated[
+        bool,
+        typer.Option(
+            "--keep-candidates",
+            help="Keep every evaluated candidate in OUT/candidates/ (default: losers are deleted once scored).",
+            rich_help_panel="Execution",
+        ),
+    ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
@@ -132,7 +192,9 @@ def sweep_cmd(
     an evaluation budget, keep the best by HM, print the command that reproduces it."""
     err = Console(stderr=True, highlight=False, soft_wrap=True)
 
-    from dghard_cli.cli.render import progress_printer, render_sweep
+    from dghard_cli.cli.render import json_lines, progress_printer, render_sweep
+
+    printer = None if quiet else (json_lines(err) if json_out else progress_printer(err))
 
     def body() -> dict:
         from dghard_cli.sweep.run import SweepOptions, sweep
@@ -154,10 +216,20 @@ def sweep_cmd(
             device=device,
             overwrite=overwrite,
             refine=_split(refine),
+            jobs=jobs,
+            devices=list(devices or []),
+            executor=executor,
+            ray_address=ray_address,
+            eval_resources=eval_resources,
+            keep_candidates=keep_candidates,
             argv=["dghard", *sys.argv[1:]],
-            on_event=None if (quiet or json_out) else progress_printer(err),
+            on_event=printer,
         )
-        return sweep(base, ft, out, opts)
+        try:
+            return sweep(base, ft, out, opts)
+        finally:
+            if printer is not None:
+                printer.close()
 
     doc = run_cli(body, verbose=verbose)
     emit(doc, as_json=json_out, quiet=quiet, render=lambda c: render_sweep(c, doc))

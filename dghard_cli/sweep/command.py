@@ -1,7 +1,7 @@
 """The evaluation command, built from its template's tokens once.
 
-The template is split into literal text and placeholders (``{model}``, ``{output}``) in one
-pass; the command is the literal text as written with each placeholder replaced, exactly
+The template is split into literal text and placeholders (``{model}``, ``{output}``,
+``{device}``) in one pass; the command is the literal text as written with each placeholder replaced, exactly
 once, by the shell-quoted (``shlex.quote``) value. Nothing produced by a substitution is ever
 looked at again, so a path that itself contains ``{output}``, quotes, ``$(…)``, backticks,
 ``;`` or a newline stays one literal word: a path can never become code. (Substituting with
@@ -16,7 +16,7 @@ import shlex
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-PLACEHOLDERS = ("model", "output")
+PLACEHOLDERS = ("model", "output", "device")
 _TOKEN = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
 
 
@@ -52,5 +52,5 @@ class Template:
 
 
 def build_command(template: str, **values: str) -> str:
-    """``Template.parse(template).render(values)`` (values: ``model=…, output=…``)."""
+    """``Template.parse(template).render(values)`` (values: ``model=…, output=…, device=…``)."""
     return Template.parse(template).render(values)

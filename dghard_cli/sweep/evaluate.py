@@ -2,8 +2,10 @@
 
 The template is run by the shell (``/bin/sh -c``) exactly as written, with ``{model}`` and
 ``{output}`` replaced by shell-quoted paths (so a path with spaces or quotes stays one word;
-do not put quotes around the placeholders yourself). The command also sees ``DGHARD_MODEL``,
-``DGHARD_OUTPUT`` and ``DGHARD_CANDIDATE`` in its environment. It runs in its own process
+do not put quotes around the placeholders yourself); ``{device}`` by the device the evaluation
+was given (``--devices``; ``CUDA_VISIBLE_DEVICES`` is set to it too). The command also sees
+``DGHARD_MODEL``, ``DGHARD_OUTPUT``, ``DGHARD_CANDIDATE`` (and ``DGHARD_DEVICE``) in its
+environment. It runs in its own process
 group, with stdin closed and stdout/stderr captured to files; on ``--eval-timeout`` or an
 interruption the whole group is terminated (then killed).
 
@@ -18,6 +20,7 @@ import contextlib
 import os
 import signal
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,10 +47,27 @@ def check_template(template: str) -> None:
         )
 
 
-def fill_template(template: str, model: Path, output: Path) -> str:
-    """The shell command: each placeholder replaced once by a shell-quoted absolute path
+def fill_template(template: str, model: Path, output: Path, device: str = "") -> str:
+    """The shell command: each placeholder replaced once by a shell-quoted value
     (:mod:`dghard_cli.sweep.command`: built from the template's tokens, never re-scanned)."""
-    return build_command(template, model=str(model), output=str(output))
+    return build_command(template, model=str(model), output=str(output), device=device)
+
+
+#: The process groups of the evaluations running now (several with ``--jobs``), so that an
+#: interrupted sweep can take every one of them down from its main thread.
+_RUNNING: set[subprocess.Popen] = set()
+_RUNNING_LOCK = threading.Lock()
+
+
+def terminate_running() -> int:
+    """SIGTERM the process group of every evaluation running in this process (they are then
+    killed by the thread that waits on them); returns how many there were."""
+    with _RUNNING_LOCK:
+        procs = list(_RUNNING)
+    for proc in procs:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+    return len(procs)
 
 
 @dataclass
@@ -96,13 +116,18 @@ def run_command(
     *,
     timeout: float | None,
     label: str,
+    device: str = "",
+    env: dict[str, str] | None = None,
 ) -> EvalRun:
-    """Run the evaluation of ``model``; ``logs`` is a directory for its stdout and stderr."""
+    """Run the evaluation of ``model``; ``logs`` is a directory for its stdout and stderr.
+    ``device`` replaces ``{device}``; ``env`` is added to this process's environment."""
     logs.mkdir(parents=True, exist_ok=True)
     out_log, err_log = logs / "stdout.log", logs / "stderr.log"
-    cmd = fill_template(template, model, output)
-    env = dict(os.environ)
+    cmd = fill_template(template, model, output, device)
+    env = {**os.environ, **(env or {})}
     env.update({"DGHARD_MODEL": str(model), "DGHARD_OUTPUT": str(output), "DGHARD_CANDIDATE": label})
+    if device:
+        env["DGHARD_DEVICE"] = device
     t0 = time.perf_counter()
     with open(out_log, "wb") as so, open(err_log, "wb") as se:
         proc = subprocess.Popen(
@@ -114,6 +139,8 @@ def run_command(
             env=env,
             start_new_session=True,
         )
+        with _RUNNING_LOCK:
+            _RUNNING.add(proc)
         try:
             rc = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -131,6 +158,9 @@ def run_command(
         except BaseException:  # interrupted: take the evaluation down with us
             _kill_group(proc)
             raise
+        finally:
+            with _RUNNING_LOCK:
+                _RUNNING.discard(proc)
     secs = time.perf_counter() - t0
     if rc != 0:
         tail = _tail(err_log) or _tail(out_log)

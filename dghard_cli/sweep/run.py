@@ -68,9 +68,10 @@ from dghard_cli.sweep.candidates import (  # noqa: F401 (where the reproduction 
 from dghard_cli.sweep.choose import choose_winner, objective, target_ok
 from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 from dghard_cli.sweep.evaluate import check_template
+from dghard_cli.sweep.execution import make_executor, plan_execution
 from dghard_cli.sweep.lines import bind_entries as bind_lines
 from dghard_cli.sweep.report import FRONTIER_PNG, SCHEMA_VERSION, SweepReport  # noqa: F401 (names of the output)
-from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_candidate
+from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_round
 from dghard_cli.sweep.steps import EvaluationSteps
 
 SWEEP_REPORT = "sweep_report.json"
@@ -109,6 +110,13 @@ class SweepOptions:
     plot: bool = True
     refine: list[str] = field(default_factory=list)  # "groups": per-group refinement of lines
     on_event: Callable[[dict], None] | None = None  # progress (the CLI prints these)
+    # execution (sweep/executors.py): how many evaluations at once, where
+    jobs: int | None = None  # None: one, or one per --devices entry
+    devices: list[str] | None = None  # one per running evaluation (CUDA_VISIBLE_DEVICES, {device})
+    executor: str = "local"  # "local" | "ray"
+    ray_address: str | None = None  # None: a local Ray cluster; "auto", "HOST:PORT", "ray://HOST:PORT"
+    eval_resources: str | None = None  # Ray resources per evaluation, e.g. "gpu=1,cpu=4"
+    keep_candidates: bool = False  # keep every evaluated candidate in OUT/candidates/
 
 
 def staging_path(out: Path) -> Path:
@@ -143,6 +151,9 @@ class _Sweep(EvaluationSteps, SweepReport):
         self.cached_count = 0
         self.t = {"write": 0.0, "distance": 0.0, "eval": 0.0}
         self.warnings: list[str] = []
+        self.running: dict[str, dict] = {}  # job key -> name, start time, slot, device
+        self.queued: list[str] = []  # the names of the round being evaluated
+        self.executor = None
         # several fine-tunes: each benchmark's expert (score/experts.py)
         self.expert_ref: ResultFile | dict[str, Score] | None = None
         self.expert_choice: dict[str, dict] = {}
@@ -182,6 +193,7 @@ class _Sweep(EvaluationSteps, SweepReport):
         for r in o.refine:
             if r != "groups":
                 raise InputError(f"--refine {r!r} is not one of: groups")
+        self.slots, self.devices = plan_execution(o)
         if o.families is not None:
             self.entries = parse_candidates({"families": o.families}, "SweepOptions.families")
             self.candidates_source = "SweepOptions.families"
@@ -311,9 +323,9 @@ class _Sweep(EvaluationSteps, SweepReport):
             r["objective"] = objective(cd, r["distance"], self.bar)
 
     # -- the loop
-    def next_in(self, entries: list[FamilyEntry], budget: int) -> tuple[Candidate, str] | None:
-        """The next candidate among ``entries`` (coarse grid, then refinement, as if they had
-        ``budget`` evaluations of their own)."""
+    def round_in(self, entries: list[FamilyEntry], budget: int) -> list[tuple[Candidate, str]]:
+        """The next round among ``entries`` (coarse grid, then refinement, as if they had
+        ``budget`` evaluations of their own), cut to what is left of ``budget``."""
         n = len(self.ft_cks)
         coarse = coarse_order(entries, n)
         allot = coarse_allotment(max(1, budget), len(coarse), len(entries))
@@ -325,33 +337,35 @@ class _Sweep(EvaluationSteps, SweepReport):
             objs = [r["objective"] for r in self.rows if r["entry"] == e.index and r["objective"] is not None]
             return max(objs) if objs else None
 
-        return next_candidate(entries, n, coarse, evaluated, done, allot, rank)
+        return next_round(entries, n, coarse, evaluated, done, allot, rank)
 
     def search(self) -> None:
-        """The entries' search; with ``merges:`` follow-ups (sweep/merges.py), the strength
-        search first (all but the follow-ups' reserve), then the follow-ups of the best merge,
-        then whatever the strength search has left."""
+        """The entries' search, round by round; with ``merges:`` follow-ups (sweep/merges.py),
+        the strength search first (all but the follow-ups' reserve), then the follow-ups of the
+        best merge, then whatever the strength search has left."""
         first = list(self.active)
         reserve = merges.followup_reserve(first, self.cand_budget)
         later: list[FamilyEntry] | None = None if reserve else []
+        later_budget = 0
         while len(self.rows) < self.cand_budget:
-            if later is None and (
-                len(self.rows) >= self.cand_budget - reserve
-                or self.next_in(first, self.cand_budget - reserve) is None
-            ):
+            first_room = self.cand_budget - reserve - len(self.rows)
+            if later is None and (first_room <= 0 or not self.round_in(first, self.cand_budget - reserve)):
                 later = self.derive_followups()
                 self.active += later
                 later_budget = self.cand_budget - len(self.rows)
-            nxt = None
+            batch: list[tuple[Candidate, str]] = []
             if later:
-                nxt = self.next_in(later, later_budget)
-                if nxt is not None and nxt[1] == "coarse":  # a follow-up's own grid point
-                    nxt = (nxt[0], "follow-up")
-            if nxt is None:
-                nxt = self.next_in(first, self.cand_budget - reserve)
-            if nxt is None:
+                batch = [
+                    (c, "follow-up" if phase == "coarse" else phase)  # a follow-up's own grid point
+                    for c, phase in self.round_in(later, later_budget)
+                ]
+            if not batch:
+                batch = self.round_in(first, self.cand_budget - reserve)
+                if later is None:
+                    batch = batch[: max(0, first_room)]
+            if not batch:
                 break
-            self.evaluate(*nxt)
+            self.evaluate_round(batch[: self.cand_budget - len(self.rows)])
 
     def derive_followups(self) -> list[FamilyEntry]:
         """The follow-up entries of the best merge of a ``merges:`` entry so far (none if none)."""
@@ -376,8 +390,7 @@ class _Sweep(EvaluationSteps, SweepReport):
     # -- output
     def finish(self) -> dict:
         winner, reason = choose_winner(self.rows, self.bar, self.opts.tie_tolerance)
-        shutil.rmtree(self.stage / "candidate", ignore_errors=True)
-        (self.stage / "candidate.key").unlink(missing_ok=True)
+        shutil.rmtree(self.stage / "jobs", ignore_errors=True)
         final = self.stage / "final"
         shutil.rmtree(final, ignore_errors=True)
         regenerated = False
@@ -398,6 +411,9 @@ class _Sweep(EvaluationSteps, SweepReport):
             shutil.rmtree(self.stage / "winner", ignore_errors=True)
             (self.stage / "winner.key").unlink(missing_ok=True)
             final.mkdir()
+        kept = self.stage / "kept"
+        if self.opts.keep_candidates and kept.is_dir():
+            os.replace(kept, final / "candidates")
         doc = self.report(winner, reason, regenerated)
         doc["output"]["checkpoint_bytes"] = dir_bytes(final)
         plot, skipped = self.plot(final, winner) if self.opts.plot else (None, "not asked for (plot=False)")
@@ -428,19 +444,9 @@ class _Sweep(EvaluationSteps, SweepReport):
             if started:
                 self.emit(kind="info", message=f"resuming: reusing the evaluations cached in {self.stage}")
             try:
-                self.base_rf = self.reference("base", self.base_ck, self.opts.base_results, None)
-                for t in self.opts.targets:
-                    if t not in self.base_rf.scores:
-                        raise InputError(
-                            f"--target {t!r}: no such benchmark in the base results "
-                            f"(benchmarks: {', '.join(self.base_rf.scores)})"
-                        )
+                self.executor = make_executor(self.opts, self.slots)
                 self.ft_rfs = []
-                for i, ck in enumerate(self.ft_cks):
-                    given = self.opts.ft_results[i] if i < len(self.opts.ft_results) else None
-                    rf = self.reference("ft" if i == 0 else f"ft{i + 1}", ck, given, self.base_rf.metrics)
-                    self._check_complete(rf)
-                    self.ft_rfs.append(rf)
+                self.references()
                 self.rescore()
                 self.search()
                 return self.finish()
@@ -456,6 +462,8 @@ class _Sweep(EvaluationSteps, SweepReport):
             except RuntimeFailure:
                 raise
         finally:
+            if self.executor is not None:
+                self.executor.close()
             self.close()
             lock.release()
 

@@ -1,5 +1,21 @@
-"""The steps of a sweep that evaluate: the references (BASE, FT), and each candidate written,
-measured, evaluated, scored and kept or dropped.
+"""The steps of a sweep that evaluate: the references (BASE, FT), and each round of candidates
+written, measured, evaluated, scored and kept or dropped — several at a time with ``--jobs`` or
+a Ray cluster, with the same result as one at a time.
+
+**Scheduling** (:meth:`EvaluationSteps.run_jobs`): up to ``slots`` jobs are in flight; a slot
+takes the next job of the round when it frees. With the local executor the sweep's main thread
+writes each candidate (one at a time, so one candidate's write is the most the process holds
+besides the evaluations, which are other processes) and a thread waits on its evaluation; with
+Ray a worker writes and evaluates it (:mod:`dghard_cli.sweep.jobs`). Every finished evaluation
+is cached at once; a round's rows enter the report in the round's order, whatever the order of
+completion, so the next round and the winner are those of a sweep that ran one at a time.
+
+**Disk**: a candidate's directory exists from its write until its evaluation is scored, when it
+becomes the winner so far (the previous one is deleted) or is deleted (``keep_candidates``: kept
+in OUT/candidates/ instead). So at most ``slots`` candidates plus the winner are on disk; before
+each write the free space is checked against the largest candidate so far (FT's size before the
+first), and the write waits for a running evaluation to free a slot if it does not fit (exit 3
+when nothing is running).
 
 LoRA adapters as fine-tunes: each candidate is written in the format its reproduction command
 writes (an adapter where it is exact as one, else the merged checkpoint:
@@ -10,36 +26,217 @@ evaluation command gets that model as a full checkpoint, as it got FT."""
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
 import os
+import re
 import shutil
 import time
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from dghard_cli._version import __version__
-from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
-from dghard_cli.io.files import read_json, realpath
-from dghard_cli.lora.output import LoraOutputOptions
-from dghard_cli.lora.source import is_adapter, open_ft
-from dghard_cli.merge import MergeOptions, merge
 from dghard_cli.score.results import ResultFile, read_results
-from dghard_cli.sweep import integrity
-from dghard_cli.sweep.cache import digest, dir_bytes, input_identity, write_json
+from dghard_cli.sweep.cache import digest, dir_bytes, input_identity
 from dghard_cli.sweep.candidates import Candidate, reproduced_out, shell_command
-from dghard_cli.sweep.choose import choose_winner, update_distance
-from dghard_cli.sweep.evaluate import locate_results, run_command
-from dghard_cli.sweep.family_dispatch import reproduce_argv, write_candidate, writes_adapter
+from dghard_cli.sweep.choose import choose_winner
+from dghard_cli.sweep.family_dispatch import reproduce_argv, writes_adapter
+from dghard_cli.sweep.jobs import (
+    CANDIDATE_DIR,
+    CandidateWrite,
+    Job,
+    JobResult,
+    failed_result,
+    prepare,
+    prepare_candidate,
+    written_info,
+)
+
+#: Free space kept beyond a candidate's size before writing it.
+DISK_HEADROOM = 64 * 1024 * 1024
+#: How long the scheduler sleeps between checks while it waits (seconds).
+POLL_S = 0.5
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9.=,_-]+", "_", text).strip("_")[:80] or "candidate"
 
 
 class EvaluationSteps:
     """Evaluating references and candidates (a part of ``run._Sweep``; the attributes it uses are set up there)."""
 
+    # -- jobs ----------------------------------------------------------------------------------
+    def job_dir(self, key: str) -> Path:
+        return self.stage / "jobs" / key
+
+    def eval_job(self, key: str, label: str, **kw) -> Job:
+        return Job(
+            key=key,
+            label=label,
+            template=self.opts.eval_template,
+            timeout=self.opts.eval_timeout,
+            workdir=str(self.job_dir(key)),
+            base=self.base_spec,
+            device=self.opts.device,
+            **kw,
+        )
+
+    def _disk_needed(self) -> int:
+        sizes = [r.get("bytes") or 0 for r in self.records.values()]
+        guess = max(sizes, default=0) or max(ck.total_bytes for ck in [self.base_ck, *self.ft_cks])
+        return int(guess) + DISK_HEADROOM
+
+    def _disk_free(self) -> int:
+        return shutil.disk_usage(self.stage).free
+
+    def run_jobs(self, jobs: list[Job], on_done: Callable[[Job, JobResult], None]) -> None:
+        """Run ``jobs`` on the executor, at most ``slots`` at a time, in order of submission;
+        ``on_done`` is called in this thread as each finishes (in order of completion)."""
+        queue = list(jobs)
+        flight: dict[object, tuple[Job, int]] = {}
+        free = list(range(self.executor.slots))
+        local = not getattr(self.executor, "remote", False)
+        try:
+            while queue or flight:
+                while queue and free:
+                    job = queue[0]
+                    if job.write is not None and not self._fits(job, bool(flight)):
+                        break  # wait for a running evaluation to free its candidate's space
+                    queue.pop(0)
+                    if local and job.prepared is None:
+                        try:  # written (or merged) here, in the main thread, one at a time
+                            job = replace(job, prepared=prepare(job))
+                        except InputError as exc:
+                            what = (
+                                "candidate could not be written"
+                                if job.write
+                                else "model could not be prepared"
+                            )
+                            on_done(
+                                job, failed_result(job, f"the {what}: {exc}", cacheable=job.write is not None)
+                            )
+                            continue
+                    slot = free.pop(0)
+                    assignment: dict = {"slot": slot}
+                    if self.devices:
+                        assignment["device"] = self.devices[slot]
+                    if not local:
+                        assignment["remote"] = True
+                    self.running[job.key] = {"name": job.label, "since": time.time(), **assignment}
+                    self.emit(kind="evaluating", name=job.label, slot=slot, device=assignment.get("device"),
+                              **self.progress())  # fmt: skip
+                    flight[self.executor.submit(job, assignment)] = (job, slot)
+                if not flight:
+                    continue
+                for handle, result in self.executor.wait(list(flight), timeout=None if not queue else POLL_S):
+                    job, slot = flight.pop(handle)
+                    free.append(slot)
+                    free.sort()
+                    self.running.pop(job.key, None)
+                    on_done(job, result)
+        except BaseException:
+            from dghard_cli.sweep.evaluate import terminate_running
+
+            terminate_running()
+            if flight:
+                self.executor.cancel(list(flight))
+            raise
+
+    def _fits(self, job: Job, others_running: bool) -> bool:
+        """Whether the candidate of ``job`` fits on the disk now; RuntimeFailure (exit 3) when it
+        cannot fit and nothing running could free space."""
+        if job.prepared is not None or written_info(
+            self.job_dir(job.key) / CANDIDATE_DIR, job.key, self.stage
+        ):
+            return True
+        need, free = self._disk_needed(), self._disk_free()
+        if free >= need:
+            return True
+        if others_running:
+            return False
+        raise RuntimeFailure(
+            f"not enough free disk space in {self.stage.parent} for the next candidate: about "
+            f"{need / 2**20:.0f} MiB needed, {free / 2**20:.0f} MiB free",
+            hint="free space (or lower --jobs) and run the same command again to resume",
+        )
+
     # -- references
-    def reference(self, label: str, ck: Checkpoint, given: Path | None, fixed: dict | None) -> ResultFile:
-        what = {"base": "BASE", "ft": "FT"}.get(label, f"fine-tune {ck.source}")
+    def references(self) -> None:
+        """BASE's and each fine-tune's results: given, cached, or evaluated (all at once)."""
+        specs: list[tuple[str, Checkpoint | None, Path | None]] = [
+            ("base", self.base_ck, self.opts.base_results)
+        ]
+        for i, ck in enumerate(self.ft_cks):
+            given = self.opts.ft_results[i] if i < len(self.opts.ft_results) else None
+            specs.append(("ft" if i == 0 else f"ft{i + 1}", ck, given))
+        jobs, before, recs = [], {}, {}
+        for label, ck, given in specs:
+            if given is not None:
+                continue
+            key = digest(
+                {
+                    "reference": label,
+                    "input": input_identity(ck),
+                    "template": self.opts.eval_template,
+                    "dghard": __version__,
+                }
+            )
+            rec = self.cache.get(key)
+            if rec is not None:
+                recs[label] = (key, rec, True)
+                continue
+            from dghard_cli.lora.source import is_adapter
+
+            what = self._ref_name(label, ck)
+            self.emit(kind="evaluating", name=what)
+            before[label] = input_identity(ck)
+            model = ck.source if is_adapter(ck) else str(ck.path.resolve())
+            jobs.append((label, self.eval_job(key, what, model=model, model_is_adapter=is_adapter(ck))))
+
+        by_key = {j.key: label for label, j in jobs}
+
+        def done(job: Job, res: JobResult) -> None:
+            label = by_key[job.key]
+            ck = dict((lb, c) for lb, c, _ in specs)[label]
+            if input_identity(ck) != before[label]:
+                raise InputError(
+                    f"the evaluation command modified {job.label} ({ck.path}) while evaluating it; "
+                    "evaluate {model} without writing into it"
+                )
+            rec = res.rec
+            if res.cacheable or rec["status"] == "ok":
+                rec = self.cache.put(job.key, rec, Path(res.results) if res.results else None)
+            self.run_count += 1
+            recs[label] = (job.key, rec, False)
+            shutil.rmtree(self.job_dir(job.key), ignore_errors=True)
+
+        self.run_jobs([j for _, j in jobs], done)
+        fixed = None
+        for label, ck, given in specs:
+            rf = self._reference_results(label, ck, given, recs.get(label), fixed)
+            if label == "base":
+                self.base_rf = rf
+                fixed = rf.metrics
+                for t in self.opts.targets:
+                    if t not in rf.scores:
+                        raise InputError(
+                            f"--target {t!r}: no such benchmark in the base results "
+                            f"(benchmarks: {', '.join(rf.scores)})"
+                        )
+            else:
+                self._check_complete(rf)
+                self.ft_rfs.append(rf)
+
+    @staticmethod
+    def _ref_name(label: str, ck: Checkpoint) -> str:
+        return {"base": "BASE", "ft": "FT"}.get(label, f"fine-tune {ck.source}")
+
+    def _reference_results(
+        self, label: str, ck: Checkpoint, given: Path | None, cached: tuple | None, fixed: dict | None
+    ) -> ResultFile:
+        what = self._ref_name(label, ck)
         if given is not None:
             rf = read_results(
                 given, metric=self.rule, fixed=fixed, label=f"--{'base' if label == 'base' else 'ft'}-results"
@@ -47,42 +244,24 @@ class EvaluationSteps:
             self.refs[label] = {"name": what, "source": "given", "path": str(given), "status": "ok"}
             self.emit(kind="reference", name=what, source="given", path=str(given))
             return rf
-        key = digest(
-            {
-                "reference": label,
-                "input": input_identity(ck),
-                "template": self.opts.eval_template,
-                "dghard": __version__,
-            }
-        )
-        rec = self.cache.get(key)
-        cached = rec is not None
-        if rec is None:
-            self.emit(kind="evaluating", name=what)
-            before = input_identity(ck)
-            model = self.merged_adapter(ck.source) if is_adapter(ck) else ck.path.resolve()
-            rec, results = self.run_eval(model, what, fixed)
-            if is_adapter(ck):
-                shutil.rmtree(model, ignore_errors=True)
-            if input_identity(ck) != before:
-                raise InputError(
-                    f"the evaluation command modified {what} ({ck.path}) while evaluating it; "
-                    "evaluate {model} without writing into it"
-                )
-            rec = self.cache.put(key, rec, results)
-            self.run_count += 1
-        else:
+        assert cached is not None
+        _key, rec, was_cached = cached
+        if was_cached:
             self.cached_count += 1
         self.refs[label] = {
             "name": what,
             "source": "evaluated",
-            "cached": cached,
+            "cached": was_cached,
             "status": rec["status"],
             "message": rec.get("message"),
             "log_tail": rec.get("log_tail"),
             "seconds": rec.get("seconds", {}).get("eval"),
             "model": str(ck.path),
         }
+        if rec.get("device") is not None:
+            self.refs[label]["device"] = rec["device"]
+        if not was_cached:
+            self.t["eval"] += rec.get("seconds", {}).get("eval") or 0.0
         if rec["status"] != "ok":
             raise InputError(
                 f"the evaluation of {what} failed, so there is nothing to compare candidates with: "
@@ -95,59 +274,11 @@ class EvaluationSteps:
         self.emit(
             kind="reference",
             name=what,
-            source="cached" if cached else "evaluated",
+            source="cached" if was_cached else "evaluated",
             seconds=self.refs[label]["seconds"],
             benchmarks=len(rf.scores),
         )
         return rf
-
-    def merged_adapter(self, source: str) -> Path:
-        """A LoRA adapter of BASE (a fine-tune, or a candidate written as one) as the full
-        checkpoint the evaluation can load (BASE + ΔW)."""
-        target = self.stage / "adapter-merged"
-        shutil.rmtree(target, ignore_errors=True)
-        opts = MergeOptions(
-            method="task-arithmetic",
-            lora=LoraOutputOptions(merge=True),
-            run=RunOptions(device=self.opts.device, quiet=True),
-        )
-        merge(self.base_spec, [source], target, opts)
-        return target.resolve()
-
-    def run_eval(self, model: Path, label: str, fixed: dict | None) -> tuple[dict, Path | None]:
-        """Run the evaluation command on ``model``; the cache record and the results file."""
-        ev = self.stage / "eval"
-        shutil.rmtree(ev, ignore_errors=True)
-        ev.mkdir(parents=True)
-        output = ev / "output"
-        run = run_command(
-            self.opts.eval_template, model, output, ev / "logs", timeout=self.opts.eval_timeout, label=label
-        )
-        self.t["eval"] += run.seconds
-        rec = {
-            "label": label,
-            "status": run.status,
-            "message": run.message,
-            "log_tail": run.log_tail,
-            "returncode": run.returncode,
-            "seconds": {"eval": round(run.seconds, 3)},
-            "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-        results = None
-        if run.status == "ok":
-            try:
-                path = locate_results(output, run.stdout, uses_output="{output}" in self.opts.eval_template)
-                rf = read_results(
-                    path, metric=self.rule, fixed=fixed, label=f"results of {label}", roots=(realpath(ev),)
-                )
-                if fixed is not None:
-                    self._check_complete(rf)
-                results = path
-            except InputError as exc:
-                rec["status"] = "unreadable"
-                rec["message"] = f"unreadable results: {exc}"
-                rec["log_tail"] = None
-        return rec, results
 
     def _check_complete(self, rf: ResultFile) -> None:
         missing = [k for k in self.base_rf.scores if k not in rf.scores]
@@ -180,102 +311,109 @@ class EvaluationSteps:
             merge_adapters=self.adapters and not self.as_adapter(cand),
         )
 
-    def write(self, cand: Candidate, key: str, target: Path) -> dict:
-        shutil.rmtree(target, ignore_errors=True)
-        t0 = time.perf_counter()
-        # the candidate's report names OUT, where the winner ends up: written once, never patched
+    def candidate_job(self, cand: Candidate, key: str, name: str) -> Job:
         adapter = self.as_adapter(cand)
-        doc = write_candidate(
-            cand,
-            self.base_spec,
-            self.ft_specs,
-            target,
-            device=self.opts.device,
-            argv=self.reproduce(cand),
-            report_out=self.out_arg,
-            merge_adapters=self.adapters and not adapter,
+        return self.eval_job(
+            key,
+            name,
+            write=CandidateWrite(
+                cand=cand,
+                base=self.base_spec,
+                fts=tuple(self.ft_specs),
+                argv=tuple(self.reproduce(cand)),
+                report_out=self.out_arg,  # the winner ends up in OUT: its report says so
+                merge_adapters=self.adapters and not adapter,
+                adapter=adapter,
+            ),
         )
-        route = doc.get("parameters", {}).get("adapter_route")
-        if adapter and route != "exact":  # writes_adapter promised the exact route
-            raise RuntimeFailure(
-                f"internal error: candidate {cand.label} was to be written as an exact adapter, "
-                f"and {'the ' + route + ' route' if route else 'a full checkpoint'} wrote it"
-            )
-        secs = time.perf_counter() - t0
-        self.t["write"] += secs
-        info = {"key": key, "seconds": round(secs, 3), "bytes": dir_bytes(target)}
-        info["snapshot"] = integrity.snapshot(target)  # what the evaluation must leave as it is
-        write_json(target.parent / f"{target.name}.key", info)
+
+    def write(self, cand: Candidate, key: str, target: Path) -> dict:
+        """Write ``cand`` into ``target`` (the winner, written again at the end)."""
+        job = self.candidate_job(cand, key, cand.label)
+        shutil.rmtree(self.job_dir(key), ignore_errors=True)
+        info = prepare_candidate(job)
+        shutil.rmtree(target, ignore_errors=True)
+        os.replace(self.job_dir(key) / CANDIDATE_DIR, target)
+        os.replace(self.job_dir(key) / f"{CANDIDATE_DIR}.key", target.parent / f"{target.name}.key")
+        shutil.rmtree(self.job_dir(key), ignore_errors=True)
         return info
 
     def on_disk(self, target: Path, key: str) -> dict | None:
-        try:
-            info = read_json(
-                target.parent / f"{target.name}.key", what="key file", roots=(realpath(self.stage),)
-            )
-        except InputError:
-            return None
-        return info if isinstance(info, dict) and info.get("key") == key and target.is_dir() else None
+        return written_info(target, key, self.stage)
 
-    def evaluate(self, cand: Candidate, phase: str) -> None:
-        key = self.key(cand)
-        order = len(self.rows) + 1
-        name, k = cand.label, 2
-        while any(r["name"] == name for r in self.rows):  # same label, other parameters
-            name, k = f"{cand.label} #{k}", k + 1
-        argv = self.reproduce(cand)
-        rec = self.cache.get(key)
-        cached = rec is not None
-        if rec is None:
-            self.emit(kind="evaluating", name=name, order=order, budget=self.cand_budget, phase=phase)
-            cdir = self.stage / "candidate"
-            info = self.on_disk(cdir, key) or self.write(cand, key, cdir)
-            adapter = self.as_adapter(cand)
-            t0 = time.perf_counter()
-            # an adapter is measured as the model it stands for, BASE + ΔW, as FT is
-            if adapter:
-                cand_ck = open_ft(str(cdir), base=self.base_ck, label="candidate")
-            else:
-                cand_ck = Checkpoint(cdir, label="candidate")
-            try:
-                dist = update_distance(self.base_ck, self.ft_cks, cand_ck)
-            finally:
-                cand_ck.close()
-            dsecs = time.perf_counter() - t0
-            self.t["distance"] += dsecs
-            model, merged_bytes = cdir.resolve(), 0
-            if adapter:  # evaluated as a full checkpoint, as FT was
-                t1 = time.perf_counter()
-                model = self.merged_adapter(str(cdir))
-                merged_bytes = dir_bytes(model)
-                self.t["write"] += time.perf_counter() - t1
-            winner_bytes = dir_bytes(self.stage / "winner")
-            self.disk_peak = max(self.disk_peak, winner_bytes + info["bytes"] + merged_bytes)
-            try:
-                rec, results = self.run_eval(model, name, self.base_rf.metrics)
-            finally:
-                if adapter:
-                    shutil.rmtree(model, ignore_errors=True)
-            tampered = integrity.changed(cdir, info.get("snapshot"))
-            if tampered:
-                rec["status"], results = "failed", None
-                rec["message"] = (
-                    f"the evaluation command changed the candidate it evaluated ({tampered}); its "
-                    "results are discarded (evaluate {model} without writing into it)"
-                )
-            rec.update(
-                name=name,
-                params=cand.param_dict,
-                distance=dist,
-                bytes=info["bytes"],
+    def evaluate_round(self, items: list[tuple[Candidate, str]]) -> None:
+        """Evaluate one round of candidates (cached ones are read back); their rows are added in
+        the round's order."""
+        planned: list[dict] = []
+        names = {r["name"] for r in self.rows}
+        for i, (cand, phase) in enumerate(items):
+            name, k = cand.label, 2
+            while name in names:  # same label, other parameters
+                name, k = f"{cand.label} #{k}", k + 1
+            names.add(name)
+            key = self.key(cand)
+            planned.append(
+                {"cand": cand, "phase": phase, "key": key, "name": name, "order": len(self.rows) + i + 1}
             )
-            rec["seconds"].update(write=info["seconds"], distance=round(dsecs, 3))
-            rec = self.cache.put(key, rec, results)
+        self.queued = [p["name"] for p in planned]
+        self.emit(kind="round", names=[p["name"] for p in planned], phases=[p["phase"] for p in planned])
+        by_key = {p["key"]: p for p in planned}
+        finished: dict[str, dict] = {}
+        jobs = []
+        for p in planned:
+            rec = self.cache.get(p["key"])
+            if rec is not None:
+                self.cached_count += 1
+                finished[p["key"]] = self._add_row(p, rec, cached=True)
+            else:
+                jobs.append(self.candidate_job(p["cand"], p["key"], p["name"]))
+
+        def done(job: Job, res: JobResult) -> None:
+            p = by_key[job.key]
+            rec = dict(res.rec)
+            prep = res.prepared or {}
+            rec.update(
+                name=p["name"],
+                params=p["cand"].param_dict,
+                distance=prep.get("distance", math.inf),
+                bytes=prep.get("bytes"),
+            )
+            rec["seconds"] = {
+                **rec.get("seconds", {}),
+                **({"write": prep["seconds"]} if "seconds" in prep else {}),
+                **({"distance": prep["distance_seconds"]} if "distance_seconds" in prep else {}),
+            }
+            self.t["write"] += prep.get("seconds", 0.0) + prep.get("merge_seconds", 0.0)
+            self.t["distance"] += prep.get("distance_seconds", 0.0)
+            self.t["eval"] += rec["seconds"].get("eval", 0.0)
+            winner_bytes = dir_bytes(self.stage / "winner")
+            in_flight = sum(dir_bytes(self.job_dir(k) / CANDIDATE_DIR) for k in self.running)
+            self.disk_peak = max(
+                self.disk_peak,
+                winner_bytes + in_flight + (prep.get("bytes") or 0) + prep.get("merged_bytes", 0),
+            )
+            results = Path(res.results) if res.results else None
+            if res.cacheable or rec["status"] == "ok":
+                rec = self.cache.put(job.key, rec, results)
+            else:
+                rec = dict(rec, key=job.key, results=None)
             self.run_count += 1
-        else:
-            self.cached_count += 1
+            finished[job.key] = self._add_row(p, rec, cached=False)
+            self.keep_or_drop(job.key)
+
+        try:
+            self.run_jobs(jobs, done)
+        finally:
+            self.queued = []
+            # the round's rows in the round's order, whatever the order of completion
+            self.rows.sort(key=lambda r: r["order"])
+        self.rescore()
+
+    def _add_row(self, p: dict, rec: dict, *, cached: bool) -> dict:
+        cand, key, name = p["cand"], p["key"], p["name"]
+        argv = self.reproduce(cand)
         row = {
-            "order": order,
+            "order": p["order"],
             "name": name,
             "family": cand.family,
             "entry": cand.entry,
@@ -283,7 +421,7 @@ class EvaluationSteps:
             "axis": cand.axis,
             "value": cand.value,
             "params": cand.param_dict,
-            "phase": phase,
+            "phase": p["phase"],
             "status": rec["status"],
             "message": rec.get("message"),
             "log_tail": rec.get("log_tail"),
@@ -294,6 +432,8 @@ class EvaluationSteps:
             "reproduce": {"argv": argv, "command": shell_command(argv), "out": reproduced_out(self.out_arg)},
             "key": key,
         }
+        if rec.get("device") is not None:
+            row["device"] = rec["device"]
         if rec["status"] == "ok":
             try:
                 self.rf[key] = read_results(
@@ -310,27 +450,80 @@ class EvaluationSteps:
         self.records[key] = rec
         self.cands[key] = cand
         self.rescore()
-        self.keep_or_drop(key, cached)
         self.emit(
             kind="candidate",
             row=row,
-            order=order,
-            budget=self.cand_budget,
+            order=row["order"],
             min_target_retention=self.bar,
+            **self.progress(),
         )
+        return row
 
-    def keep_or_drop(self, key: str, cached: bool) -> None:
-        """Keep the candidate just written if it is the best so far, else delete it."""
-        cdir = self.stage / "candidate"
-        if cached or not cdir.exists():
+    def keep_or_drop(self, key: str) -> None:
+        """The candidate just evaluated becomes the winner so far (the previous one is dropped),
+        or is dropped; dropped candidates are deleted, or kept for OUT/candidates/."""
+        jdir = self.job_dir(key)
+        cdir = jdir / CANDIDATE_DIR
+        if not cdir.exists():
+            shutil.rmtree(jdir, ignore_errors=True)
             return
         winner, _ = choose_winner(self.rows, self.bar, self.opts.tie_tolerance)
         if winner is not None and winner["key"] == key:
             wdir = self.stage / "winner"
-            shutil.rmtree(wdir, ignore_errors=True)
-            (self.stage / "winner.key").unlink(missing_ok=True)
+            self.drop(wdir, self.stage / "winner.key")
             os.replace(cdir, wdir)
-            os.replace(self.stage / "candidate.key", self.stage / "winner.key")
+            os.replace(jdir / f"{CANDIDATE_DIR}.key", self.stage / "winner.key")
         else:
-            shutil.rmtree(cdir, ignore_errors=True)
-            (self.stage / "candidate.key").unlink(missing_ok=True)
+            self.drop(cdir, jdir / f"{CANDIDATE_DIR}.key")
+        shutil.rmtree(jdir, ignore_errors=True)
+
+    def drop(self, cdir: Path, keyfile: Path) -> None:
+        """Delete a candidate that lost (``keep_candidates``: move it to ``<stage>/kept/``)."""
+        if self.opts.keep_candidates and cdir.is_dir():
+            info = self.on_disk(cdir, self._key_of(keyfile)) if keyfile.exists() else None
+            row = next((r for r in self.rows if info and r["key"] == info["key"]), None)
+            if row is not None:
+                kept = self.stage / "kept" / f"{row['order']:03d}-{_slug(row['name'])}"
+                kept.parent.mkdir(parents=True, exist_ok=True)
+                shutil.rmtree(kept, ignore_errors=True)
+                os.replace(cdir, kept)
+        shutil.rmtree(cdir, ignore_errors=True)
+        keyfile.unlink(missing_ok=True)
+
+    def _key_of(self, keyfile: Path) -> str:
+        from dghard_cli.io.files import read_json, realpath
+
+        try:
+            info = read_json(keyfile, what="key file", roots=(realpath(self.stage),))
+        except InputError:
+            return ""
+        return str(info.get("key", "")) if isinstance(info, dict) else ""
+
+    def progress(self) -> dict:
+        """Counts and an ETA for progress displays: done, running, queued, best so far."""
+        done = len(self.rows)
+        secs = [
+            r["seconds"].get("eval", 0.0) + r["seconds"].get("write", 0.0)
+            for r in self.rows
+            if not r.get("cached") and r.get("seconds")
+        ]
+        left = max(0, self.cand_budget - done - len(self.running))
+        slots = max(1, self.executor.slots)
+        eta = None
+        if secs:
+            mean = sum(secs) / len(secs)
+            now = time.time()
+            running_left = [max(0.0, mean - (now - r["since"])) for r in self.running.values()]
+            eta = round(max(running_left, default=0.0) + math.ceil(left / slots) * mean, 1)
+        winner, _ = choose_winner(self.rows, self.bar, self.opts.tie_tolerance) if self.rows else (None, None)
+        finished = {r["name"] for r in self.rows}
+        running = [r["name"] for r in self.running.values()]
+        return {
+            "done": done,
+            "budget": self.cand_budget,
+            "slots": slots,
+            "running": running,
+            "queued": sum(1 for n in self.queued if n not in finished and n not in running),
+            "best": None if winner is None else {"name": winner["name"], "hm": winner["hm"]},
+            "eta_s": eta,
+        }

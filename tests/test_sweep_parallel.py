@@ -1,0 +1,272 @@
+"""`dghard sweep --jobs N --devices …`: several evaluations at a time give the same evaluated set,
+report and winner as one at a time; at most N run at once, each on its own device; an
+interruption with evaluations in flight resumes without evaluating a finished one again; at
+most N + 1 candidates are on disk; a failing evaluation or write fails its candidate only; bad
+execution options are exit 2 before anything runs.
+
+Uses the generated pair and stand-in evaluation of tests/test_sweep.py, behind a wrapper that
+logs, per evaluation, when it ran, on which device, and how many candidates were on disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import run_dghard
+from test_sweep import Pair, alive
+
+from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
+from dghard_cli.sweep import execution, jobs, steps
+from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
+
+WRAPPER = """
+import json, os, subprocess, sys, time
+from pathlib import Path
+
+root, model, output, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+stage = Path(os.environ["SWEEP_STAGE"])
+on_disk = sum(1 for p in (stage / "jobs").glob("*/candidate") if p.is_dir()) + (stage / "winner").is_dir()
+rec = {"name": os.environ["DGHARD_CANDIDATE"], "start": time.time(), "device_arg": device,
+       "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "on_disk": on_disk, "pid": os.getpid()}
+hang = os.environ.get("WRAP_HANG_ON")
+if hang and hang in rec["name"]:
+    (root / "hanging").write_text(str(os.getpid()))
+    time.sleep(120)
+time.sleep(float(os.environ.get("WRAP_SLEEP", "0")))
+rc = subprocess.call([sys.executable, str(root / "evaluate.py"), model, output])
+rec["end"] = time.time()
+with open(root / "wrap.jsonl", "a") as fh:
+    fh.write(json.dumps(rec) + "\\n")
+sys.exit(rc)
+"""
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory) -> Pair:
+    p = Pair(tmp_path_factory.mktemp("parallel"))
+    (p.root / "wrap.py").write_text(WRAPPER)
+    return p
+
+
+def _template(pair: Pair, device: str = "x") -> str:
+    wrap = shlex.quote(str(pair.root / "wrap.py"))
+    return f"{shlex.quote(sys.executable)} {wrap} {shlex.quote(str(pair.root))} {{model}} {{output}} {device}"
+
+
+def _log(pair: Pair) -> list[dict]:
+    path = pair.root / "wrap.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _reset(pair: Pair) -> None:
+    pair.reset_calls()
+    (pair.root / "wrap.jsonl").unlink(missing_ok=True)
+
+
+def _run(pair: Pair, out: Path, monkeypatch, *, template: str | None = None, **kw) -> dict:
+    monkeypatch.setenv("SWEEP_STAGE", str(staging_path(out)))
+    opts = SweepOptions(
+        eval_template=template or _template(pair),
+        budget=kw.pop("budget", 12),
+        candidates=pair.candidates,
+        **kw,
+    )
+    return sweep(pair.base, pair.ft, out, opts)
+
+
+def _comparable(doc: dict) -> dict:
+    """The report less what depends on timing (times, which device; a candidate's size counts its
+    report, whose timings differ by a few bytes: its weights are compared apart)."""
+    rows = [
+        {k: v for k, v in r.items() if k not in ("seconds", "cached", "device", "reproduce", "bytes")}
+        for r in doc["candidates"]
+    ]
+    win = {k: v for k, v in (doc["winner"] or {}).items() if k != "reproduce"}
+    budget = {k: v for k, v in doc["budget"].items() if k not in ("run_now", "from_cache")}
+    return {"rows": rows, "winner": win, "budget": budget, "benchmarks": doc["benchmarks"]}
+
+
+def _weights(out: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(out.glob("*.safetensors"))}
+
+
+def test_the_same_evaluations_and_winner_with_1_and_3_jobs(pair, tmp_path, monkeypatch):
+    _reset(pair)
+    one = _run(pair, tmp_path / "one", monkeypatch, jobs=1)
+    serial = _log(pair)
+    _reset(pair)
+    three = _run(pair, tmp_path / "three", monkeypatch, jobs=3)
+    log = _log(pair)
+    assert _comparable(one) == _comparable(three)
+    assert one["winner"] is not None and one["budget"]["used"] == 12
+    assert _weights(tmp_path / "one") == _weights(tmp_path / "three")
+    # every evaluation ran once, and several of them at the same time
+    assert sorted(r["name"] for r in log) == sorted(r["name"] for r in serial)
+    overlap = max(sum(1 for r in log if r["start"] < t < r["end"]) for t in [r["start"] + 1e-3 for r in log])
+    assert 2 <= overlap <= 3
+    assert max(r["on_disk"] for r in log) <= 3 + 1  # the candidates in flight and the winner
+
+
+def test_each_running_evaluation_has_its_own_device(pair, tmp_path, monkeypatch):
+    _reset(pair)
+    monkeypatch.setattr(execution, "visible_gpu_count", lambda: 4)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")  # --devices index what this process sees
+    monkeypatch.setenv("WRAP_SLEEP", "0.3")
+    doc = _run(
+        pair, tmp_path / "out", monkeypatch, template=_template(pair, "{device}"), devices=["1,3"], budget=6
+    )
+    log = _log(pair)
+    assert doc["winner"] is not None and len(log) == 6
+    assert {r["cuda"] for r in log} <= {"5", "7"} and {r["cuda"] for r in log} == {"5", "7"}
+    assert all(r["device_arg"] == r["cuda"] for r in log)  # {device} is what CUDA_VISIBLE_DEVICES holds
+    for r in log:  # two evaluations running at the same time never share a device
+        for q in log:
+            if q is not r and q["start"] < r["end"] and r["start"] < q["end"]:
+                assert q["cuda"] != r["cuda"]
+    assert all(c.get("device") in ("5", "7") for c in doc["candidates"])
+
+
+def test_an_interruption_with_evaluations_in_flight_resumes_without_repeating_one(
+    pair, tmp_path, monkeypatch
+):
+    _reset(pair)
+    out = tmp_path / "out"
+    monkeypatch.setenv("WRAP_HANG_ON", "soft scale=1.5")  # the 4th candidate of the coarse round hangs
+    hanging = pair.root / "hanging"
+
+    def interrupt_when_hanging() -> None:
+        for _ in range(600):
+            if hanging.exists():
+                time.sleep(0.3)  # the other evaluations in flight are running too
+                os.kill(os.getpid(), signal.SIGINT)
+                return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=interrupt_when_hanging)
+    t.start()
+    with pytest.raises(Interrupted):
+        _run(pair, out, monkeypatch, jobs=3)
+    t.join()
+    pid = int(hanging.read_text())
+    assert not alive(pid)  # the hanging evaluation was taken down
+    finished = [r["name"] for r in _log(pair)]
+    assert staging_path(out).is_dir() and not out.exists()
+    monkeypatch.delenv("WRAP_HANG_ON")
+    (pair.root / "wrap.jsonl").unlink()
+    doc = _run(pair, out, monkeypatch, jobs=3)
+    again = [r["name"] for r in _log(pair)]
+    assert not set(finished) & set(again)  # nothing finished is evaluated twice
+    assert doc["budget"]["from_cache"] == len(finished) and doc["budget"]["run_now"] == 12 - len(finished)
+    _reset(pair)
+    assert _comparable(doc) == _comparable(_run(pair, tmp_path / "straight", monkeypatch, jobs=1))
+
+
+def test_a_failing_evaluation_or_write_fails_that_candidate_only(pair, tmp_path, monkeypatch):
+    _reset(pair)
+    real_run, real_prepare = jobs.run_command, steps.prepare
+
+    def crash_one(*args, **kwargs):
+        if kwargs.get("label") == "hard scale=3.0":
+            raise OSError("the worker lost its scratch disk")
+        return real_run(*args, **kwargs)
+
+    def refuse_one(job):
+        if job.label == "optimal scale=3.0":
+            raise InputError("tensor 'x': the strength overflows bfloat16")
+        return real_prepare(job)
+
+    monkeypatch.setattr(jobs, "run_command", crash_one)
+    monkeypatch.setattr(steps, "prepare", refuse_one)
+    doc = _run(pair, tmp_path / "out", monkeypatch, jobs=2)
+    by = {r["name"]: r for r in doc["candidates"]}
+    assert by["hard scale=3.0"]["status"] == "failed"
+    assert "the worker lost its scratch disk" in by["hard scale=3.0"]["message"]
+    assert by["optimal scale=3.0"]["status"] == "failed"
+    assert "could not be written" in by["optimal scale=3.0"]["message"]
+    assert doc["winner"] is not None and sum(r["status"] == "ok" for r in doc["candidates"]) == 10 - 2
+
+
+def test_the_disk_bound(pair, tmp_path, monkeypatch):
+    _reset(pair)
+    # less free space than one candidate takes and nothing running: exit 3, resumable
+    monkeypatch.setattr(steps.EvaluationSteps, "_disk_free", lambda self: 1024)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeFailure, match="not enough free disk space"):
+        _run(pair, out, monkeypatch, jobs=2)
+    # room for exactly one candidate at a time: the second write waits for the first to be scored
+    monkeypatch.setattr(
+        steps.EvaluationSteps,
+        "_disk_free",
+        lambda self: self._disk_needed() if not any((self.stage / "jobs").glob("*/candidate")) else 0,
+    )
+    doc = _run(pair, out, monkeypatch, jobs=2, budget=6)
+    assert doc["winner"] is not None
+    assert all(r["on_disk"] <= 2 for r in _log(pair))  # the one in flight and the winner
+
+
+def test_keep_candidates_keeps_every_loser_in_out(pair, tmp_path, monkeypatch):
+    _reset(pair)
+    doc = _run(pair, tmp_path / "out", monkeypatch, jobs=2, budget=6, keep_candidates=True)
+    kept = sorted(p.name for p in (tmp_path / "out" / "candidates").iterdir())
+    losers = [r for r in doc["candidates"] if r["order"] != doc["winner"]["order"]]
+    assert [k[:4] for k in kept] == [f"{r['order']:03d}-" for r in losers]
+    assert kept[0] == f"{losers[0]['order']:03d}-{losers[0]['name'].replace(' ', '_')}"
+    assert all((tmp_path / "out" / "candidates" / k / "dghard_report.json").is_file() for k in kept)
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--jobs", "0"], "--jobs must be a whole number >= 1"),
+        (["--devices", "0"], "device 0 does not exist: this machine shows no CUDA device"),
+        (["--devices", "0,0"], "device 0 is given twice"),
+        (["--devices", "cuda0"], "is not a device index"),
+        (["--executor", "dask"], "--executor 'dask' is not one of: local, ray"),
+        (["--ray-address", "127.0.0.1:1"], "--ray-address needs --executor ray"),
+        (["--eval-resources", "gpu=1"], "--eval-resources needs --executor ray"),
+        (["--executor", "ray", "--devices", "0"], "--devices is for the local executor"),
+    ],
+)
+def test_bad_execution_options_are_exit_2_before_anything_runs(pair, tmp_path, monkeypatch, args, message):
+    _reset(pair)
+    monkeypatch.setattr(execution, "visible_gpu_count", lambda: 0)
+    out = tmp_path / "out"
+    res = run_dghard("sweep", pair.base, pair.ft, out, "--eval", _template(pair), *args)
+    assert res.returncode == 2, res.stderr
+    assert message in res.stderr and len(res.stderr.strip().splitlines()) <= 2, res.stderr
+    assert not out.exists() and not staging_path(out).exists() and not _log(pair)
+
+
+def test_device_options_that_do_not_fit(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(execution, "visible_gpu_count", lambda: 2)
+    for kw, message in (
+        ({"devices": ["0,2"]}, "device 2 does not exist: this machine shows 2 CUDA device(s)"),
+        ({"devices": ["0,1"], "jobs": 3}, "--jobs 3 with 2 device(s) in --devices"),
+        ({}, "--eval uses {device} but no --devices were given"),
+    ):
+        with pytest.raises(InputError) as e:
+            _run(pair, tmp_path / "out", monkeypatch, template=_template(pair, "{device}"), **kw)
+        assert message in str(e.value)
+
+
+def test_json_progress_is_one_object_per_line(pair, tmp_path, monkeypatch):
+    _reset(pair)
+    monkeypatch.setenv("SWEEP_STAGE", str(staging_path(tmp_path / "out")))
+    res = run_dghard(
+        "sweep", pair.base, pair.ft, tmp_path / "out", "--eval", _template(pair), "--candidates",
+        pair.candidates, "--budget", "5", "--jobs", "2", "--json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    events = [json.loads(line) for line in res.stderr.splitlines()]
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("candidate") == 3 and "round" in kinds and "evaluating" in kinds
+    last = [e for e in events if e["kind"] == "candidate"][-1]
+    assert last["done"] == 3 and last["budget"] == 3 and last["best"]["name"] and "eta_s" in last
+    assert json.loads(res.stdout)["winner"]["name"] == last["best"]["name"]
