@@ -90,6 +90,46 @@ def test_results_file_with_an_integer_past_float_range_names_the_key(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "which, doc",
+    [
+        ("ft", lm_eval("1.7e308")),
+        ("c", lm_eval("-1.7e308")),
+        ("c", '{"results": {"arc_easy": {"acc,none": 0.6, "acc_stderr,none": 1.7e308}}}'),
+        ("c", '{"arc_easy": 1e13}'),
+        ("c", '{"arc_easy": {"score": 0.6, "stderr": 1e300}}'),
+    ],
+)
+def test_extreme_finite_scores_are_refused_where_results_are_read(tmp_path, which, doc):
+    """Finite scores near ±1.7e308 used to reach the scoring's arithmetic (differences, ratios,
+    harmonic means, sqrt(se_b² + se_f²)) and come out as inf/NaN; no benchmark reports them."""
+
+    for name, v in (("base", "0.5"), ("ft", "0.4"), ("c", "0.45")):
+        (tmp_path / f"{name}.json").write_text(lm_eval(v))
+    (tmp_path / f"{which}.json").write_text(doc)
+    args = [
+        "--base",
+        tmp_path / "base.json",
+        "--ft",
+        tmp_path / "ft.json",
+        "--candidate",
+        tmp_path / "c.json",
+    ]
+    msg = one_line_error(invoke("score", *args, "--json"))
+    assert f"{which}.json" in msg and "'arc_easy'" in msg and "beyond what any benchmark" in msg
+    assert "e+" in msg and "Infinity" not in msg
+
+
+def test_in_memory_scores_have_the_same_bound():
+    from dghard_cli.errors import InputError
+    from dghard_cli.score.metrics import score_candidates
+
+    with pytest.raises(InputError, match="beyond what any benchmark"):
+        score_candidates({"a": 50.0}, {"a": 1.7e308}, {"c": {"a": 40.0}})
+    with pytest.raises(InputError, match="standard error"):
+        score_candidates({"a": 50.0}, {"a": (40.0, 1e300)}, {"c": {"a": 40.0}})
+
+
+@pytest.mark.parametrize(
     "value, why",
     [
         (BIG, "too large for a float"),
