@@ -331,3 +331,60 @@ def test_merging_more_models_than_descriptors_allow_is_refused_before_opening_an
     msg = one_line_error(r)
     assert "31 models" in msg and "at most 18" in msg and "ulimit -n" in msg
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+
+
+# --- finite bf16 extremes whose difference overflows float32 ----------------------------------
+
+EXTREME = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture()
+def extreme_pair(tmp_path) -> tuple[Path, Path]:
+    """A bf16 pair, finite everywhere, with BASE = −3e38 and FT = +3e38 at one entry."""
+    from safetensors.torch import load_file, save_file
+
+    base, ft = make_pair(tmp_path, CFG, dtype="bfloat16", base_shards=1, ft_shards=1, seed=0)
+    for d, v in ((base, -3e38), (ft, 3e38)):
+        f = next(d.glob("*.safetensors"))
+        t = load_file(f)
+        t[EXTREME][0, 0] = v
+        save_file(t, f, metadata={"format": "pt"})
+    return base, ft
+
+
+@pytest.mark.parametrize("method, n_ft", [("task-arithmetic", 1), ("ties", 2), ("dare", 1)])
+def test_a_delta_of_finite_extremes_that_overflows_float32_is_not_blamed_on_nan(
+    extreme_pair, tmp_path, method, n_ft
+):
+    base, ft = extreme_pair
+    out = tmp_path / "out"
+    msg = one_line_error(invoke("merge", base, *[ft] * n_ft, "--method", method, "--out", out))
+    assert EXTREME in msg and "Δ = FT − BASE" in msg and "overflows float32" in msg
+    assert "NaN" not in msg and "--dtype fp64" in msg
+    assert not out.exists()
+
+
+def test_the_suggested_float64_merge_and_a_repair_of_finite_extremes_succeed(extreme_pair, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file as np_load
+
+    base, ft = extreme_pair
+    out = tmp_path / "out"
+    r = invoke(
+        "merge", base, ft, "--method", "task-arithmetic", "--lambda", "0.5", "--dtype", "fp64", "--out", out
+    )
+    assert r.exit_code == 0, r.output
+
+    def f64(d):  # bf16 widened exactly, from the raw bits
+        from safetensors.torch import load_file
+
+        return {k: v.double().numpy() for k, v in load_file(next(d.glob("*.safetensors"))).items()}
+
+    b, f = f64(base), f64(ft)
+    got = {k: v for p in out.glob("*.safetensors") for k, v in np_load(p).items()}
+    want = b[EXTREME] + 0.5 * (f[EXTREME] - b[EXTREME])
+    np.testing.assert_allclose(got[EXTREME], want, rtol=1e-12, atol=0)
+    assert got[EXTREME][0, 0] == 0.0 and np.isfinite(got[EXTREME]).all()
+    r = invoke("repair", base, ft, tmp_path / "rep")
+    assert r.exit_code == 0, r.output
+    assert "NaN" not in r.output
