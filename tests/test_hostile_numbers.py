@@ -3,6 +3,7 @@ docs/robustness.md, "Numbers, sizes and resources"). Every test here failed befo
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -320,17 +321,57 @@ def test_too_many_open_files_is_a_runtime_failure_not_a_bad_shard(pair, tmp_path
     assert "Too many open files" in msg and "ulimit -n" in msg and "not at fault" in msg
 
 
-def test_merging_more_models_than_descriptors_allow_is_refused_before_opening_any(
-    pair, tmp_path, monkeypatch
-):
-    import resource
+def test_a_merge_of_more_models_than_the_open_file_limit_allows_succeeds(tmp_path):
+    """60 fine-tunes (2 shards each: 121 shard files) under `ulimit -n 64`: shards are opened
+    on use and at most a bounded number stay open (io/checkpoint.py's descriptor pool). This
+    merge used to be refused up front ("at most 1 can be merged at once")."""
+    import subprocess
+    import sys
 
-    base, ft = pair
-    monkeypatch.setattr(resource, "getrlimit", lambda _which: (100, 100))
-    r = invoke("merge", base, *([ft] * 30), "--method", "task-arithmetic", "--out", tmp_path / "out")
-    msg = one_line_error(r)
-    assert "31 models" in msg and "at most 18" in msg and "ulimit -n" in msg
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    import numpy as np
+    import torch
+    from conftest import _child_env
+    from safetensors.numpy import load_file as np_load
+
+    from dghard_cli.testing.synthetic import write_checkpoint
+
+    cfg = ArchConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, vocab_size=32)
+    base, _ = make_pair(tmp_path / "pair", cfg, dtype="float32", base_shards=2, ft_shards=1, seed=0)
+    b = {k: v for p in sorted(base.glob("*.safetensors")) for k, v in np_load(p).items()}
+    config = json.loads((base / "config.json").read_text())
+    g = torch.Generator().manual_seed(1)
+    fts, deltas = [], []
+    for i in range(60):
+        d = {k: torch.randn(v.shape, generator=g, dtype=torch.float32) * 1e-2 for k, v in b.items()}
+        ft = tmp_path / f"ft{i:02d}"
+        write_checkpoint(ft, [(k, torch.from_numpy(b[k]) + d[k]) for k in b], shards=2, config=config)
+        fts.append(ft)
+        deltas.append({k: v.double().numpy() for k, v in d.items()})
+    out = tmp_path / "out"
+
+    def low_limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    args = ["merge", base, *fts, "--method", "task-arithmetic", "--lambda", "0.5", "--out", out, "--quiet"]
+    r = subprocess.run(
+        [sys.executable, "-m", "dghard_cli", *map(str, args)],
+        env=_child_env(None),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=low_limit,
+    )
+    assert r.returncode == 0, r.stderr
+    got = {k: v for p in out.glob("*.safetensors") for k, v in np_load(p).items()}
+    fts64 = [{k: b[k].astype(np.float64) + dd[k] for k in b} for dd in deltas]
+    for k, v in b.items():  # independent float64 reference: BASE + λ Σ (FT_i − BASE)
+        b64 = v.astype(np.float64)
+        want = b64 + 0.5 * sum(f[k] - b64 for f in fts64)
+        np.testing.assert_allclose(
+            got[k].astype(np.float64), want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max())
+        )
 
 
 # --- finite bf16 extremes whose difference overflows float32 ----------------------------------
