@@ -429,3 +429,75 @@ def test_the_suggested_float64_merge_and_a_repair_of_finite_extremes_succeed(ext
     r = invoke("repair", base, ft, tmp_path / "rep")
     assert r.exit_code == 0, r.output
     assert "NaN" not in r.output
+
+
+# --- disk full while side files, the model card or the report are written ---------------------
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("what", ["side file", "model card", "report"])
+@pytest.mark.parametrize("cmd", ["repair", "merge", "adapter"])
+def test_disk_full_while_writing_side_files_is_exit_3_naming_the_file(tmp_path, monkeypatch, cmd, what):
+    import errno
+
+    from dghard_cli.testing.synthetic_lora import make_adapter, write_adapter
+
+    arch = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    base, ft = make_pair(tmp_path / "pair", arch, ft_shards=1)
+    (ft / "tokenizer.json").write_text("{}")
+    if cmd == "adapter":
+        ft, tensors, cfg = make_adapter(tmp_path / "ad", arch, r=4, alpha=8, targets=("q_proj",))
+        write_adapter(ft, tensors, cfg)
+        (ft / "tokenizer.json").write_text("{}")
+    before = {d: _tree(d) for d in (base, ft)}
+    target = {"side file": "tokenizer.json", "model card": "README.md", "report": "dghard_report.json"}[what]
+    real_open = open
+
+    def full_open(path, mode="r", *a, **k):  # the low-level write into OUT's stage fails
+        if Path(str(path)).name in (target, f"{target}.tmp") and any(c in mode for c in "wxa"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", full_open)
+    monkeypatch.setattr("io.open", full_open)  # pathlib writes through io.open
+    out = tmp_path / "out"
+    if cmd == "repair":
+        r = invoke("repair", base, ft, out)
+    elif cmd == "merge":
+        r = invoke("merge", base, ft, ft, "--method", "task-arithmetic", "--out", out)
+    else:
+        r = invoke("merge", base, ft, "--method", "wise-ft", "--out", out)
+    monkeypatch.undo()
+    msg = one_line_error(r, code=3).splitlines()[-1]
+    assert "disk full while writing" in msg and target in msg and "--resume" in msg, msg
+    assert not out.exists()
+    partial = tmp_path / ".out.dghard-partial"
+    assert partial.is_dir() and not (partial / target).exists()  # nothing half-written, resumable
+    assert {d: _tree(d) for d in (base, ft)} == before  # inputs untouched
+    again = invoke(*(["repair", base, ft, out] if cmd == "repair" else
+                     ["merge", base, *([ft, ft] if cmd == "merge" else [ft]),
+                      "--method", "task-arithmetic" if cmd == "merge" else "wise-ft", "--out", out]))  # fmt: skip
+    assert again.exit_code == 0, again.output
+    assert (out / "README.md").exists() and not partial.exists()
+
+
+def test_disk_full_while_taking_the_lock_is_exit_3_not_a_bad_out(pair, tmp_path, monkeypatch):
+    import errno
+
+    from dghard_cli.io import lock
+
+    base, ft = pair
+    real = lock.os.open
+
+    def full(path, *a, **k):
+        if str(path).endswith(".dghard-lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(lock.os, "open", full)
+    msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"), code=3)
+    assert "disk full while writing the lock file" in msg and "choose an OUT" not in msg
