@@ -164,22 +164,6 @@ def _make_op(method: str, p: dict, opts: MergeOptions, recall_w, device):
     return registry.methods()[method].make_op(p, registry.BuildContext(opts, device, recall_w))
 
 
-def check_model_count(n: int) -> None:
-    """Refuse, before anything is opened, a merge of more models than the process can hold open
-    (each keeps at least one descriptor per shard for the whole run); InputError stating the limit."""
-    import resource
-
-    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    if soft == resource.RLIM_INFINITY:
-        return
-    most = max(1, (soft - 64) // 2)
-    if n > most:
-        raise InputError(
-            f"this merge names {n} models (BASE included); with the open-file limit of {soft} "
-            f"(ulimit -n) at most {most} can be merged at once; raise the limit or merge fewer"
-        )
-
-
 def merge(
     base: str | Path,
     fts: list[str | Path],
@@ -199,7 +183,6 @@ def merge(
     opts = options or MergeOptions()
     t0 = time.perf_counter()
     method = canonical_method(opts.method)
-    check_model_count(len(fts) + 1)
     p = resolve_parameters(opts, len(fts))
     revs = opts.ft_revisions or [None] * len(fts)
     opened: list[Checkpoint] = []

@@ -3,6 +3,7 @@ docs/robustness.md, "Numbers, sizes and resources"). Every test here failed befo
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -87,6 +88,46 @@ def test_results_file_with_an_integer_past_float_range_names_the_key(tmp_path):
     )
     msg = one_line_error(r)
     assert "results.arc_easy.acc,none" in msg and "too large" in msg
+
+
+@pytest.mark.parametrize(
+    "which, doc",
+    [
+        ("ft", lm_eval("1.7e308")),
+        ("c", lm_eval("-1.7e308")),
+        ("c", '{"results": {"arc_easy": {"acc,none": 0.6, "acc_stderr,none": 1.7e308}}}'),
+        ("c", '{"arc_easy": 1e13}'),
+        ("c", '{"arc_easy": {"score": 0.6, "stderr": 1e300}}'),
+    ],
+)
+def test_extreme_finite_scores_are_refused_where_results_are_read(tmp_path, which, doc):
+    """Finite scores near ±1.7e308 used to reach the scoring's arithmetic (differences, ratios,
+    harmonic means, sqrt(se_b² + se_f²)) and come out as inf/NaN; no benchmark reports them."""
+
+    for name, v in (("base", "0.5"), ("ft", "0.4"), ("c", "0.45")):
+        (tmp_path / f"{name}.json").write_text(lm_eval(v))
+    (tmp_path / f"{which}.json").write_text(doc)
+    args = [
+        "--base",
+        tmp_path / "base.json",
+        "--ft",
+        tmp_path / "ft.json",
+        "--candidate",
+        tmp_path / "c.json",
+    ]
+    msg = one_line_error(invoke("score", *args, "--json"))
+    assert f"{which}.json" in msg and "'arc_easy'" in msg and "beyond what any benchmark" in msg
+    assert "e+" in msg and "Infinity" not in msg
+
+
+def test_in_memory_scores_have_the_same_bound():
+    from dghard_cli.errors import InputError
+    from dghard_cli.score.metrics import score_candidates
+
+    with pytest.raises(InputError, match="beyond what any benchmark"):
+        score_candidates({"a": 50.0}, {"a": 1.7e308}, {"c": {"a": 40.0}})
+    with pytest.raises(InputError, match="standard error"):
+        score_candidates({"a": 50.0}, {"a": (40.0, 1e300)}, {"c": {"a": 40.0}})
 
 
 @pytest.mark.parametrize(
@@ -280,14 +321,183 @@ def test_too_many_open_files_is_a_runtime_failure_not_a_bad_shard(pair, tmp_path
     assert "Too many open files" in msg and "ulimit -n" in msg and "not at fault" in msg
 
 
-def test_merging_more_models_than_descriptors_allow_is_refused_before_opening_any(
-    pair, tmp_path, monkeypatch
+def test_a_merge_of_more_models_than_the_open_file_limit_allows_succeeds(tmp_path):
+    """60 fine-tunes (2 shards each: 121 shard files) under `ulimit -n 64`: shards are opened
+    on use and at most a bounded number stay open (io/checkpoint.py's descriptor pool). This
+    merge used to be refused up front ("at most 1 can be merged at once")."""
+    import subprocess
+    import sys
+
+    import numpy as np
+    import torch
+    from conftest import _child_env
+    from safetensors.numpy import load_file as np_load
+
+    from dghard_cli.testing.synthetic import write_checkpoint
+
+    cfg = ArchConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=1, vocab_size=32)
+    base, _ = make_pair(tmp_path / "pair", cfg, dtype="float32", base_shards=2, ft_shards=1, seed=0)
+    b = {k: v for p in sorted(base.glob("*.safetensors")) for k, v in np_load(p).items()}
+    config = json.loads((base / "config.json").read_text())
+    g = torch.Generator().manual_seed(1)
+    fts, deltas = [], []
+    for i in range(60):
+        d = {k: torch.randn(v.shape, generator=g, dtype=torch.float32) * 1e-2 for k, v in b.items()}
+        ft = tmp_path / f"ft{i:02d}"
+        write_checkpoint(ft, [(k, torch.from_numpy(b[k]) + d[k]) for k in b], shards=2, config=config)
+        fts.append(ft)
+        deltas.append({k: v.double().numpy() for k, v in d.items()})
+    out = tmp_path / "out"
+
+    def low_limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+
+    args = ["merge", base, *fts, "--method", "task-arithmetic", "--lambda", "0.5", "--out", out, "--quiet"]
+    r = subprocess.run(
+        [sys.executable, "-m", "dghard_cli", *map(str, args)],
+        env=_child_env(None),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        preexec_fn=low_limit,
+    )
+    assert r.returncode == 0, r.stderr
+    got = {k: v for p in out.glob("*.safetensors") for k, v in np_load(p).items()}
+    fts64 = [{k: b[k].astype(np.float64) + dd[k] for k in b} for dd in deltas]
+    for k, v in b.items():  # independent float64 reference: BASE + λ Σ (FT_i − BASE)
+        b64 = v.astype(np.float64)
+        want = b64 + 0.5 * sum(f[k] - b64 for f in fts64)
+        np.testing.assert_allclose(
+            got[k].astype(np.float64), want, rtol=0, atol=2e-5 * max(1.0, np.abs(want).max())
+        )
+
+
+# --- finite bf16 extremes whose difference overflows float32 ----------------------------------
+
+EXTREME = "model.layers.0.mlp.up_proj.weight"
+
+
+@pytest.fixture()
+def extreme_pair(tmp_path) -> tuple[Path, Path]:
+    """A bf16 pair, finite everywhere, with BASE = −3e38 and FT = +3e38 at one entry."""
+    from safetensors.torch import load_file, save_file
+
+    base, ft = make_pair(tmp_path, CFG, dtype="bfloat16", base_shards=1, ft_shards=1, seed=0)
+    for d, v in ((base, -3e38), (ft, 3e38)):
+        f = next(d.glob("*.safetensors"))
+        t = load_file(f)
+        t[EXTREME][0, 0] = v
+        save_file(t, f, metadata={"format": "pt"})
+    return base, ft
+
+
+@pytest.mark.parametrize("method, n_ft", [("task-arithmetic", 1), ("ties", 2), ("dare", 1)])
+def test_a_delta_of_finite_extremes_that_overflows_float32_is_not_blamed_on_nan(
+    extreme_pair, tmp_path, method, n_ft
 ):
-    import resource
+    base, ft = extreme_pair
+    out = tmp_path / "out"
+    msg = one_line_error(invoke("merge", base, *[ft] * n_ft, "--method", method, "--out", out))
+    assert EXTREME in msg and "Δ = FT − BASE" in msg and "overflows float32" in msg
+    assert "NaN" not in msg and "--dtype fp64" in msg
+    assert not out.exists()
+
+
+def test_the_suggested_float64_merge_and_a_repair_of_finite_extremes_succeed(extreme_pair, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file as np_load
+
+    base, ft = extreme_pair
+    out = tmp_path / "out"
+    r = invoke(
+        "merge", base, ft, "--method", "task-arithmetic", "--lambda", "0.5", "--dtype", "fp64", "--out", out
+    )
+    assert r.exit_code == 0, r.output
+
+    def f64(d):  # bf16 widened exactly, from the raw bits
+        from safetensors.torch import load_file
+
+        return {k: v.double().numpy() for k, v in load_file(next(d.glob("*.safetensors"))).items()}
+
+    b, f = f64(base), f64(ft)
+    got = {k: v for p in out.glob("*.safetensors") for k, v in np_load(p).items()}
+    want = b[EXTREME] + 0.5 * (f[EXTREME] - b[EXTREME])
+    np.testing.assert_allclose(got[EXTREME], want, rtol=1e-12, atol=0)
+    assert got[EXTREME][0, 0] == 0.0 and np.isfinite(got[EXTREME]).all()
+    r = invoke("repair", base, ft, tmp_path / "rep")
+    assert r.exit_code == 0, r.output
+    assert "NaN" not in r.output
+
+
+# --- disk full while side files, the model card or the report are written ---------------------
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("what", ["side file", "model card", "report"])
+@pytest.mark.parametrize("cmd", ["repair", "merge", "adapter"])
+def test_disk_full_while_writing_side_files_is_exit_3_naming_the_file(tmp_path, monkeypatch, cmd, what):
+    import errno
+
+    from dghard_cli.testing.synthetic_lora import make_adapter, write_adapter
+
+    arch = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                      num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    base, ft = make_pair(tmp_path / "pair", arch, ft_shards=1)
+    (ft / "tokenizer.json").write_text("{}")
+    if cmd == "adapter":
+        ft, tensors, cfg = make_adapter(tmp_path / "ad", arch, r=4, alpha=8, targets=("q_proj",))
+        write_adapter(ft, tensors, cfg)
+        (ft / "tokenizer.json").write_text("{}")
+    before = {d: _tree(d) for d in (base, ft)}
+    target = {"side file": "tokenizer.json", "model card": "README.md", "report": "dghard_report.json"}[what]
+    real_open = open
+
+    def full_open(path, mode="r", *a, **k):  # the low-level write into OUT's stage fails
+        if Path(str(path)).name in (target, f"{target}.tmp") and any(c in mode for c in "wxa"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        return real_open(path, mode, *a, **k)
+
+    monkeypatch.setattr("builtins.open", full_open)
+    monkeypatch.setattr("io.open", full_open)  # pathlib writes through io.open
+    out = tmp_path / "out"
+    if cmd == "repair":
+        r = invoke("repair", base, ft, out)
+    elif cmd == "merge":
+        r = invoke("merge", base, ft, ft, "--method", "task-arithmetic", "--out", out)
+    else:
+        r = invoke("merge", base, ft, "--method", "wise-ft", "--out", out)
+    monkeypatch.undo()
+    msg = one_line_error(r, code=3).splitlines()[-1]
+    assert "disk full while writing" in msg and target in msg and "--resume" in msg, msg
+    assert not out.exists()
+    partial = tmp_path / ".out.dghard-partial"
+    assert partial.is_dir() and not (partial / target).exists()  # nothing half-written, resumable
+    assert {d: _tree(d) for d in (base, ft)} == before  # inputs untouched
+    again = invoke(*(["repair", base, ft, out] if cmd == "repair" else
+                     ["merge", base, *([ft, ft] if cmd == "merge" else [ft]),
+                      "--method", "task-arithmetic" if cmd == "merge" else "wise-ft", "--out", out]))  # fmt: skip
+    assert again.exit_code == 0, again.output
+    assert (out / "README.md").exists() and not partial.exists()
+
+
+def test_disk_full_while_taking_the_lock_is_exit_3_not_a_bad_out(pair, tmp_path, monkeypatch):
+    import errno
+
+    from dghard_cli.io import lock
 
     base, ft = pair
-    monkeypatch.setattr(resource, "getrlimit", lambda _which: (100, 100))
-    r = invoke("merge", base, *([ft] * 30), "--method", "task-arithmetic", "--out", tmp_path / "out")
-    msg = one_line_error(r)
-    assert "31 models" in msg and "at most 18" in msg and "ulimit -n" in msg
-    assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
+    real = lock.os.open
+
+    def full(path, *a, **k):
+        if str(path).endswith(".dghard-lock"):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(lock.os, "open", full)
+    msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"), code=3)
+    assert "disk full while writing the lock file" in msg and "choose an OUT" not in msg

@@ -588,3 +588,30 @@ def test_lora_adapters_merge_over_their_exact_rank(tmp_path, method):
         assert_close({name: got[name]}, ref, {name: b[name]}, unit=4 * U32)
         rec = next(r for r in doc["tensors"] if r["name"] == name)
         assert rec["rank"] == 8 and rec["error_bound"] < 1e-12
+
+
+@pytest.mark.parametrize("method", ["iso-c", "tsv"])
+def test_the_accuracy_refusal_suggests_bf16_only_where_it_helps(tmp_path, method):
+    """A bf16 output refused for its error bound was told to pass --dtype bf16; the hint now
+    depends on the written dtype (and on whether bf16's resolution would meet the bound)."""
+    from dghard_cli.methods.subspace import coarser_output_hint
+
+    g = torch.Generator().manual_seed(3)
+    u = torch.linalg.qr(torch.randn((64, 32), generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn((32, 32), generator=g, dtype=torch.float64))[0]
+    delta = (u * torch.logspace(0, -7.5, 32, dtype=torch.float64)) @ v.T
+    name = "model.layers.0.mlp.up_proj.weight"
+    zero = torch.zeros((64, 32), dtype=torch.float32)
+    write_checkpoint(tmp_path / "b", [(name, zero)], config=CFG.to_hf("float32"))
+    write_checkpoint(tmp_path / "f", [(name, delta.to(torch.float32))], config=CFG.to_hf("float32"))
+    args = ["merge", "--method", method, tmp_path / "b", tmp_path / "f", "--out", tmp_path / "o"]
+    if method == "tsv":
+        args += ["--tsv-rank", "32"]
+    res = run_dghard(*args, "--dtype", "bf16")
+    assert res.returncode == 2 and "error bound" in res.stderr and "BF16 output" in res.stderr, res.stderr
+    assert "--dtype bf16" not in res.stderr and "--exclude" in res.stderr
+    assert not (tmp_path / "o").exists()
+    assert "--dtype bf16" in coarser_output_hint("F32", 1e-3)
+    assert "--dtype bf16" in coarser_output_hint("F16", 1e-3)
+    assert "--dtype bf16" not in coarser_output_hint("F32", 1e-1)  # bf16 would not meet it either
+    assert "--dtype bf16" not in coarser_output_hint("BF16", 1e-3)

@@ -99,6 +99,8 @@ b, m = load(ROOT / "base"), load(model)
 names = [k[2:] for k in sig.files if k.startswith("S:")]
 deltas = {n: m[n].astype(np.float64) - b[n].astype(np.float64) for n in names}
 res = benchmarks(deltas, sig, q0)
+if os.environ.get("SWEEP_HUGE_ON") and os.environ["SWEEP_HUGE_ON"] in name:
+    res["task"] = float(os.environ.get("SWEEP_HUGE_VALUE", "1.7e308"))  # finite, but no benchmark's
 if output == "-":  # a template without {output}: the results JSON on stdout
     print(json.dumps(res))
 elif os.environ.get("SWEEP_LM_EVAL"):  # the lm-evaluation-harness layout, in a directory
@@ -451,6 +453,33 @@ def test_failing_hanging_and_unreadable_evaluations_are_reported_not_fatal(pair,
     assert abs(status["hard"]["hm"] - pair.hm("hard", status["hard"]["params"])) < 1e-4
     assert "sweep_report.json" in out_files(out) and "model.safetensors.index.json" in out_files(out)
     no_leftovers(tmp_path)
+
+
+@pytest.mark.parametrize("value", ["1.7e308", "-1.7e308", "2e12"])
+def test_an_extreme_finite_score_marks_the_candidate_unreadable(pair, tmp_path, monkeypatch, value):
+    """A score past any benchmark's range (which the sweep's means, differences and harmonic
+    means would overflow) is refused where it is read, naming the file, benchmark and value."""
+    pair.reset_calls()
+    cands = _write_text(
+        tmp_path / "c.yaml",
+        "families:\n  - {family: hard, grid: [1.0], refine: false}\n"
+        "  - {family: wise-ft, grid: [0.5], refine: false}\n",
+    )
+    monkeypatch.setenv("SWEEP_HUGE_ON", "wise-ft")
+    monkeypatch.setenv("SWEEP_HUGE_VALUE", value)
+    out = tmp_path / "out"
+    r = run_dghard("sweep", pair.base, pair.ft, out, "--eval", pair.template, "--candidates", cands,
+                   "--budget", "4", "--json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr
+    doc = json.loads(r.stdout, parse_constant=lambda c: pytest.fail(f"literal {c} in the report"))
+    status = {c["family"]: c for c in doc["candidates"]}
+    assert status["wise-ft"]["status"] == "unreadable" and status["wise-ft"]["hm"] is None
+    msg = status["wise-ft"]["message"]
+    assert "'task'" in msg and f"{float(value):.6g}" in msg and "beyond what any benchmark" in msg
+    assert doc["winner"]["family"] == "hard"
+    text = (out / "sweep_report.json").read_text()
+    assert "Infinity" not in text and "NaN" not in text
 
 
 def test_bad_template_failing_base_and_bad_options_are_clear_errors(pair, tmp_path):

@@ -450,10 +450,8 @@ class _ModelWrite:
         OUT, then a ``--report`` outside OUT."""
         stage = self.stage
         try:
-            if self.rel_report is not None:
-                target = stage.dir / self.rel_report
-                target.parent.mkdir(parents=True, exist_ok=True)
-                target.write_text(json_text(doc), encoding="utf-8")
+            if self.rel_report is not None:  # every write into the stage maps its OSError in one place
+                stage.write_text(str(self.rel_report), json_text(doc))
             stage.write_text("README.md", card)
         except OSError as exc:
             raise _io_failure(exc, stage, "writing the report and model card") from None

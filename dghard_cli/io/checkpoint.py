@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,8 +39,61 @@ CONVERT_HINT = (
 )
 
 
+class _DescriptorPool:
+    """At most :meth:`limit` shard descriptors open at a time, across every checkpoint.
+
+    A merge of thousands of models has more shards than the process may hold open (``ulimit
+    -n``). Readers open their descriptor on use and register it here; past the limit the least
+    recently used *idle* one is closed (a reader in the middle of a read is never touched) and
+    is opened again, re-checked, on its next read. Reads stay ``pread`` calls.
+    """
+
+    #: descriptors left for everything else (the interpreter, torch, the output, the journal)
+    RESERVED = 48
+    MOST = 256
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.open: OrderedDict[FileReader, None] = OrderedDict()  # least recently used first
+        self._limit: int | None = None
+
+    def limit(self) -> int:
+        if self._limit is None:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+            room = self.MOST if soft == resource.RLIM_INFINITY else (soft - self.RESERVED) // 2
+            self._limit = max(2, min(self.MOST, room))
+        return self._limit
+
+    def used(self, reader: FileReader) -> list[FileReader]:
+        """Mark ``reader`` as most recently used (its descriptor open); the idle readers to close."""
+        with self.lock:
+            self.open[reader] = None
+            self.open.move_to_end(reader)
+            excess = len(self.open) - self.limit()
+            victims = []
+            for r in list(self.open):
+                if excess <= 0:
+                    break
+                if r is not reader and r.busy == 0:
+                    del self.open[r]
+                    victims.append(r)
+                    excess -= 1
+            return victims
+
+    def forget(self, reader: FileReader) -> None:
+        with self.lock:
+            self.open.pop(reader, None)
+
+
+POOL = _DescriptorPool()
+
+
 class FileReader:
-    """Positional reads from one shard file; the descriptor is opened on first use.
+    """Positional reads from one shard file; the descriptor is opened on use and may be closed
+    between reads by the descriptor pool (:data:`POOL`), then opened again and checked to be the
+    same file.
 
     ``os.preadv`` into caller-owned buffers: thread-safe (no shared file position) and no
     mapping, so only the buffers count towards resident memory.
@@ -51,30 +105,68 @@ class FileReader:
         self.size = size  # the size seen when the header was validated
         self._fd: int | None = None
         self._lock = threading.Lock()
+        self._identity: tuple[int, int] | None = None  # (st_dev, st_ino) of the first open
+        self.busy = 0  # reads in flight (guarded by _lock): never closed by the pool meanwhile
 
-    def _get_fd(self) -> int:
+    def __hash__(self) -> int:
+        return id(self)
+
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def _acquire(self) -> int:
         with self._lock:
             if self._fd is None:
                 f = files.open_input(self.path, what="shard", roots=self.roots)
+                st = os.fstat(f.fd)
                 if self.size is not None and f.size != self.size:
                     f.close()
                     raise InputError(
                         f"{self.path}: shard changed size ({self.size} -> {f.size} bytes) while dghard "
                         "was running; rerun on a checkpoint nothing else writes to"
                     )
+                if self._identity is not None and self._identity != (st.st_dev, st.st_ino):
+                    f.close()
+                    raise InputError(
+                        f"{self.path}: shard was replaced by another file while dghard was running; "
+                        "rerun on a checkpoint nothing else writes to"
+                    )
+                self._identity = (st.st_dev, st.st_ino)
                 self._fd = f.detach()
-            return self._fd
+            self.busy += 1
+            fd = self._fd
+        for victim in POOL.used(self):
+            victim._close_if_idle()
+        return fd
+
+    def _release(self) -> None:
+        with self._lock:
+            self.busy -= 1
+
+    def _close_if_idle(self) -> None:
+        with self._lock:
+            if self.busy == 0 and self._fd is not None:
+                with contextlib.suppress(OSError):
+                    os.close(self._fd)
+                self._fd = None
+                return
+        with POOL.lock:  # became busy again meanwhile: it stays open, and is counted again
+            POOL.open[self] = None
 
     def read_into(self, view: memoryview, offset: int, what: str) -> None:
-        fd = self._get_fd()
-        done, total = 0, view.nbytes
-        while done < total:
-            n = os.preadv(fd, [view[done : done + _CHUNK]], offset + done)
-            if n <= 0:
-                raise InputError(f"{self.path}: file ended while reading {what} (truncated?)")
-            done += n
+        fd = self._acquire()
+        try:
+            done, total = 0, view.nbytes
+            while done < total:
+                n = os.preadv(fd, [view[done : done + _CHUNK]], offset + done)
+                if n <= 0:
+                    raise InputError(f"{self.path}: file ended while reading {what} (truncated?)")
+                done += n
+        finally:
+            self._release()
 
     def close(self) -> None:
+        POOL.forget(self)
         with self._lock:
             if self._fd is not None:
                 with contextlib.suppress(OSError):

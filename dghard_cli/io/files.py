@@ -255,6 +255,26 @@ def read_error(path: str | Path, what: str, exc: OSError) -> InputError | Runtim
     return InputError(f"{path}: cannot read {what} ({exc.strerror})")
 
 
+def write_error(
+    path: str | Path, what: str, exc: OSError, kept_in: str | Path | None = None
+) -> RuntimeFailure:
+    """The one error for an OSError while writing an output file (a side file, the index, the
+    model card, a report): always a runtime failure (exit 3), since the inputs are not at fault;
+    disk full (ENOSPC, EDQUOT) is named as such. ``kept_in``: the staging directory the rerun
+    resumes from."""
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
+        cause = "disk full"
+    elif exc.errno in RESOURCE_ERRNOS:
+        cause = "the system ran out of resources"
+    else:
+        cause = "I/O error"
+    kept = f"; finished work is kept in {kept_in}" if kept_in is not None else ""
+    return RuntimeFailure(
+        f"{cause} while writing {what} ({path}: {exc.strerror or exc}){kept}",
+        hint="free space (or fix the cause) and run the same command again (--resume)",
+    )
+
+
 def copy_input(path: str | Path, dest: Path, *, what: str, roots: Sequence[Path] | None = None) -> int:
     """Copy an input file in full (any size) to ``dest`` (created; must not exist); its size.
 

@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.io import files
 
 LOCK_SUFFIX = ".dghard-lock"
 
@@ -55,6 +56,8 @@ class OutLock:
                         f"{self.label} {self.out}: the lock file {self.path} is a symbolic link; "
                         "dghard never follows one there. Remove it and rerun"
                     ) from None
+                if exc.errno in files.RESOURCE_ERRNOS:  # disk full, no inodes: not the user's choice of OUT
+                    raise files.write_error(self.path, "the lock file", exc) from None
                 raise InputError(
                     f"{self.label} {self.out}: cannot create files in {self.path.parent} "
                     f"({exc.strerror or exc}); choose an OUT in a directory you can write to"

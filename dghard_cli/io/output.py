@@ -11,6 +11,7 @@ its inputs decides whether a staging directory may be resumed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -345,15 +346,27 @@ class OutputStage:
             fh.flush()
             os.fsync(fh.fileno())
 
+    def write_failed(self, path: Path, what: str, exc: OSError) -> RuntimeFailure:
+        """The one mapping of a failed write into the stage (side files, index, model card,
+        report): exit 3 naming the file, the stage kept for the rerun, OUT's lock released."""
+        self.lock.release()
+        return files.write_error(path, what, exc, kept_in=self.dir)
+
     def write_json(self, name: str, doc: object) -> Path:
         path = self.dir / name
-        path.write_text(json_text(doc, ensure_ascii=False), encoding="utf-8")
+        try:
+            path.write_text(json_text(doc, ensure_ascii=False), encoding="utf-8")
+        except OSError as exc:
+            raise self.write_failed(path, name, exc) from None
         return path
 
     def write_text(self, name: str, text: str) -> Path:
         path = self.dir / name
-        path.parent.mkdir(parents=True, exist_ok=True)  # --report OUT/sub/report.json
-        path.write_text(text, encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # --report OUT/sub/report.json
+            path.write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise self.write_failed(path, name, exc) from None
         return path
 
     def copy_side_files(
@@ -365,8 +378,13 @@ class OutputStage:
         roots = roots if roots is not None else files.input_roots(source_dir)
         for name, _ in list_side_files(source_dir, weight_names, roots):
             dest = self.dir / name
-            dest.unlink(missing_ok=True)  # a resumed run may have copied it already
-            files.copy_input(Path(source_dir) / name, dest, what=f"side file {name}", roots=roots)
+            try:
+                dest.unlink(missing_ok=True)  # a resumed run may have copied it already
+                files.copy_input(Path(source_dir) / name, dest, what=f"side file {name}", roots=roots)
+            except OSError as exc:
+                with contextlib.suppress(OSError):
+                    dest.unlink(missing_ok=True)  # nothing half-written is left
+                raise self.write_failed(dest, f"side file {name}", exc) from None
             copied.append(name)
         return copied
 

@@ -318,7 +318,21 @@ def squared_norm(t: torch.Tensor) -> float:
 
 
 def _nonfinite_input(job: TensorJob, b: torch.Tensor, f: torch.Tensor, i: int) -> InputError:
-    which = "BASE" if not bool(torch.isfinite(b).all()) else f"fine-tune #{i + 1}"
+    """Why Δ_i = FT_i − BASE is not finite: NaN/Inf in an input (named), or two finite inputs
+    whose difference is beyond the work dtype's range (bf16's ±3.4e38 apart overflow float32)."""
+    if not bool(torch.isfinite(b).all()):
+        which = "BASE"
+    elif not bool(torch.isfinite(f).all()):
+        which = f"fine-tune #{i + 1}"
+    else:
+        wd = str(b.dtype).removeprefix("torch.")
+        fix = "fix the checkpoint" if b.dtype == torch.float64 else "merge in float64 with --dtype fp64"
+        return InputError(
+            f"tensor {job.name!r}: the update Δ = FT − BASE of fine-tune #{i + 1} overflows {wd} "
+            f"(both inputs are finite, but their difference exceeds {wd}'s range "
+            f"±{torch.finfo(b.dtype).max:.3g}); {fix}, or check the checkpoint (weights this large "
+            "are rarely real)"
+        )
     return InputError(f"tensor {job.name!r} in {which} contains NaN or Inf; fix the checkpoint")
 
 

@@ -126,6 +126,14 @@ def polar_kernel(
     return k, min(zz.rank, vv.rank, nonzero), vv.amplification
 
 
+def coarser_output_hint(written: str, bound: float) -> str:
+    """What to do when a route's error bound exceeds the written dtype's resolution: a coarser
+    output dtype only where one exists whose resolution the bound meets (bf16 is the coarsest)."""
+    if tolerance("BF16") > tolerance(written) and bound <= tolerance("BF16"):
+        return "write a lower-precision output (--dtype bf16) or --exclude the tensor"
+    return "--exclude the tensor (keeps the fine-tune's value) or merge it with another --method"
+
+
 def tolerance(out_dtype: str) -> float:
     """The resolution a matrix's result is checked at: the output dtype's unit roundoff, float32's
     at the finest."""
@@ -332,8 +340,8 @@ class SubspaceMergeOp:
             raise InputError(
                 f"tensor {job.name!r}: --method {self.name} divides by singular values down to "
                 f"1/{math.sqrt(res.amplification):.3g} of the largest here, and the float64 Gram route's "
-                f"error bound {bound:.1e} exceeds the {written} output's resolution {tol:.1e}; write "
-                "a lower-precision output (--dtype bf16) or --exclude the tensor"
+                f"error bound {bound:.1e} exceeds the {written} output's resolution {tol:.1e}; "
+                f"{coarser_output_hint(written, bound)}"
             )
         yield from blocks.output(res.left, res.kernel)
 

@@ -10,7 +10,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.score import scales
-from dghard_cli.score.results import ResultFile, Score, ScoreLike, _is_number
+from dghard_cli.score.results import MAX_SCORE, ResultFile, Score, ScoreLike, _is_number
 
 SCHEMA_VERSION = 1
 
@@ -33,8 +33,12 @@ def as_score(v: ScoreLike, where: str) -> Score:
         s = Score(float(v), None)
     else:
         raise InputError(f"{where}: {v!r} is not a score")
-    if not math.isfinite(s.value):
-        raise InputError(f"{where}: score {s.value} is not finite")
+    for label, x in (("score", s.value), ("standard error", s.stderr)):
+        if x is not None and not (math.isfinite(x) and abs(x) <= MAX_SCORE):
+            raise InputError(
+                f"{where}: {label} {x:.6g} is not finite or beyond what any benchmark reports "
+                f"(|x| > {MAX_SCORE:.0e})"
+            )
     return s
 
 

@@ -32,6 +32,14 @@ NON_METRIC_KEYS = {"alias", "samples", "sample_len", "sample_count", "name", "ta
 SCALES = ("auto", "fraction", "points")
 
 
+#: The largest score or standard error magnitude read (in the file's own units). No benchmark
+#: comes near it (accuracies are ≤ 100, a −NLL or perplexity ≤ 10^6); a value past it is a broken
+#: or hostile file, and kept it would overflow the scoring's own arithmetic (differences,
+#: ratios, harmonic means, sqrt(se_b² + se_f²)) into inf/NaN. 10^12 leaves every product and
+#: square of two such values (≤ 10^24 · the ×100 of fractions) far inside float64's range.
+MAX_SCORE = 1e12
+
+
 class Score(NamedTuple):
     """One benchmark's score and standard error, in points (stderr None when unknown)."""
 
@@ -188,6 +196,23 @@ def _requested(rule: MetricRule, task: str, entry: Mapping) -> str | None:
     return None
 
 
+def check_score(source: str, bench: str, value: float, stderr: float | None, what: str = "score") -> None:
+    """The one bound on what a results file may hold (:data:`MAX_SCORE`): InputError naming the
+    file, the benchmark and the value otherwise. Every reader of scores passes through here."""
+    for label, v in ((what, value), ("standard error", stderr)):
+        if v is None:
+            continue
+        if not math.isfinite(v):
+            raise InputError(
+                f"{source}: benchmark {bench!r}: the {label} is {v} (not a finite number); fix the file"
+            )
+        if abs(v) > MAX_SCORE:
+            raise InputError(
+                f"{source}: benchmark {bench!r}: the {label} {v:.6g} is beyond what any benchmark "
+                f"reports (|x| > {MAX_SCORE:.0e}); fix the file or the evaluation that wrote it"
+            )
+
+
 def _stderr_value(v: object) -> float | None:
     if _is_number(v) and math.isfinite(float(v)) and float(v) >= 0:  # type: ignore[arg-type]
         return float(v)  # type: ignore[arg-type]
@@ -327,8 +352,7 @@ def _read_plain(doc: dict, source: str, scale: str) -> ResultFile:
                 f"{source}: benchmark {name!r} is {type(val).__name__}, not a number; expected "
                 '{"benchmark": score} (or {"benchmark": {"score": x, "stderr": y}})'
             )
-        if not math.isfinite(v):
-            raise InputError(f"{source}: benchmark {name!r} has a non-finite score")
+        check_score(source, str(name), v, se)
         raw[str(name)] = (v, se)
     if not raw:
         raise InputError(f"{source}: no benchmark scores in this file")
@@ -371,9 +395,9 @@ def _read_lm_eval(
                 warnings.append(f"{source}: task {task!r} has no higher-is-better score; skipped")
                 continue
         v = float(entry[key])
-        if not math.isfinite(v):
-            raise InputError(f"{source}: task {task!r} metric {key!r} is {v} (not a finite score)")
-        raw[task] = (v, _stderr_value(entry.get(_stderr_key(key))))
+        se = _stderr_value(entry.get(_stderr_key(key)))
+        check_score(source, task, v, se, what=f"score ({key})")
+        raw[task] = (v, se)
         metrics[task] = key
     if not raw:
         raise InputError(f"{source}: no task with a usable score in 'results'")
