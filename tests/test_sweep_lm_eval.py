@@ -202,7 +202,7 @@ def test_an_unknown_task_is_refused_before_anything_runs(models, tmp_path):
     assert list(tmp_path.iterdir()) == []  # no evaluation, no staging directory, no OUT
 
 
-def test_eval_and_lm_eval_exactly_one_and_vllm_needs_vllm(models, tmp_path):
+def test_eval_and_lm_eval_exactly_one_and_vllm_needs_vllm(models, tmp_path, monkeypatch):
     base, ft, out = models["base"], models["ft"], tmp_path / "out"
     cases = [
         (["--eval", "true {model} {output}", "--lm-eval", "colours"], "--eval and --lm-eval are both given"),
@@ -211,10 +211,12 @@ def test_eval_and_lm_eval_exactly_one_and_vllm_needs_vllm(models, tmp_path):
         (["--eval", "true {model} {output}", "--lm-eval-model", "hf"], "--lm-eval-model goes with --lm-eval"),
         (["--lm-eval", "colours", "--lm-eval-model", "tgi"], "--lm-eval-model 'tgi' is not one of hf, vllm"),
     ]
-    import importlib.util
-
-    if importlib.util.find_spec("vllm") is None:
-        cases.append((["--lm-eval", "colours", "--lm-eval-model", "vllm"], "vllm is not installed"))
+    # vllm is not installed here (were it installed, this run still sees it missing)
+    real_find_spec = L.importlib.util.find_spec
+    monkeypatch.setattr(
+        L.importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else real_find_spec(name, *a)
+    )
+    cases.append((["--lm-eval", "colours", "--lm-eval-model", "vllm"], "vllm is not installed"))
     for extra, message in cases:
         r = run_dghard("sweep", base, ft, out, *extra)
         assert r.returncode == 2, (extra, r.stderr)
