@@ -176,6 +176,8 @@ def test_the_template_runs_this_interpreters_lm_eval_with_quoted_paths():
         ("--device=cuda", "--device is set by the sweep's --device"),
         ("--model_args pretrained=x", "pretrained=... is set by the sweep"),
         ("--limit '3", "No closing quotation"),
+        ("--out x", "--out abbreviates --output_path; spell it out"),
+        ("--model_a dtype=float32", "--model_a abbreviates --model_args"),
     ],
 )
 def test_lm_eval_args_that_the_template_owns_are_refused(args, message):

@@ -92,6 +92,10 @@ class LmEvalSpec:
                 raise InputError(
                     f"--lm-eval-args: {name} is set by {_OWNED[name]}; leave it out of --lm-eval-args"
                 )
+            spelled = [o for o in (*_OWNED, *_MODEL_ARGS) if o.startswith("--") and o.startswith(name)]
+            if name.startswith("--") and name not in (*_OWNED, *_MODEL_ARGS) and len(name) > 3 and spelled:
+                # lm_eval's argument parser takes abbreviations: --out would be --output_path
+                raise InputError(f"--lm-eval-args: {name} abbreviates {' or '.join(spelled)}; spell it out")
             if name in _MODEL_ARGS:
                 if not eq:
                     i += 1
