@@ -67,7 +67,7 @@ CHOICES = {
     "inspect": {"--device": "auto|cpu|cuda|cuda:N"},
     "audit-lora": {"--fail-on": "error|warn|info", "--device": "auto|cpu|cuda|cuda:N"},
     "score": {"--units": "auto|fraction|points"},
-    "sweep": {"--device": "auto|cpu|cuda|cuda:N"},
+    "sweep": {"--device": "auto|cpu|cuda|cuda:N", "--lm-eval-model": "hf|vllm"},
 }
 
 

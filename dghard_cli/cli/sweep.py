@@ -56,13 +56,35 @@ def sweep_cmd(
         Path, typer.Argument(help="Output directory: the winner's checkpoint and sweep_report.json.")
     ],
     eval_cmd: Annotated[
-        str,
+        Optional[str],
         typer.Option(
             "--eval",
             help="Evaluation command template with {model} (checkpoint directory) and {output} (where to write results).",
             show_default=False,
         ),
-    ],
+    ] = None,
+    lm_eval: Annotated[
+        Optional[list[str]],
+        typer.Option(
+            "--lm-eval",
+            help="Evaluate with lm-evaluation-harness on these tasks instead of --eval; repeatable or a,b.",
+            show_default=False,
+        ),
+    ] = None,
+    lm_eval_args: Annotated[
+        Optional[str],
+        typer.Option(
+            "--lm-eval-args",
+            help="More lm_eval options, e.g. '--batch_size auto --num_fewshot 5 --include_path DIR'.",
+            show_default=False,
+        ),
+    ] = None,
+    lm_eval_model: Annotated[
+        Optional[str],
+        typer.Option(
+            "--lm-eval-model", metavar="hf|vllm", help="lm-eval backend (default hf).", show_default=False
+        ),
+    ] = None,
     target: Annotated[
         Optional[list[str]],
         typer.Option("--target", help="A benchmark the fine-tune was for (scored apart); repeatable or a,b."),
@@ -197,10 +219,13 @@ def sweep_cmd(
     printer = None if quiet else (json_lines(err) if json_out else progress_printer(err))
 
     def body() -> dict:
+        from dghard_cli.sweep.lm_eval import resolve
         from dghard_cli.sweep.run import SweepOptions, sweep
 
+        eval_template, lm_eval_doc = resolve(eval_cmd, _split(lm_eval), lm_eval_args, lm_eval_model, device)
         opts = SweepOptions(
-            eval_template=eval_cmd,
+            eval_template=eval_template,
+            lm_eval=lm_eval_doc,
             targets=_split(target),
             budget=budget,
             candidates=candidates,

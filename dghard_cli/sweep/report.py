@@ -93,7 +93,11 @@ class SweepReport:
             "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             "argv": o.argv,
             "inputs": inputs,
-            "eval": {"template": o.eval_template, "timeout": o.eval_timeout},
+            "eval": {
+                "template": o.eval_template,
+                "timeout": o.eval_timeout,
+                **({"lm_eval": o.lm_eval} if o.lm_eval is not None else {}),
+            },
             "options": {
                 "targets": list(o.targets),
                 "margin": o.margin,

@@ -99,6 +99,7 @@ class SweepOptions:
     ft_results: list[Path] = field(default_factory=list)  # FT's, then each extra fine-tune's
     extra_fts: list[str] = field(default_factory=list)  # more fine-tunes of BASE: merge families
     eval_timeout: float | None = None
+    lm_eval: dict | None = None  # --lm-eval: tasks, backend, args (sweep/lm_eval.py), for the report
     min_target_retention: float | None = None  # None: effective_bar's default
     fail_under: float | None = None
     margin: float | None = None
