@@ -222,7 +222,11 @@ def sweep_cmd(
         from dghard_cli.sweep.lm_eval import resolve
         from dghard_cli.sweep.run import SweepOptions, sweep
 
-        eval_template, lm_eval_doc = resolve(eval_cmd, _split(lm_eval), lm_eval_args, lm_eval_model, device)
+        # an evaluation given its own GPU (--devices; Ray's gpu resource) sees it as cuda:0
+        own_gpu = bool(devices) or (executor == "ray" and "gpu" in (eval_resources or "").lower())
+        eval_template, lm_eval_doc = resolve(
+            eval_cmd, _split(lm_eval), lm_eval_args, lm_eval_model, device, own_gpu=own_gpu
+        )
         opts = SweepOptions(
             eval_template=eval_template,
             lm_eval=lm_eval_doc,

@@ -258,10 +258,14 @@ def resolve(
     args: str | None,
     model: str | None,
     device: str,
+    *,
+    own_gpu: bool = False,
 ) -> tuple[str, dict | None]:
     """The sweep's ``(eval_template, lm_eval description or None)`` from the command line:
     exactly one of ``--eval`` and ``--lm-eval``; with ``--lm-eval``, the spec checked and its
-    template written for ``device`` (a --device value: auto resolves to cuda:0 or cpu)."""
+    template written for ``device`` (a --device value: auto resolves to cuda:0 or cpu), or for
+    cuda:0 when each evaluation is given a GPU of its own (``own_gpu``: ``--devices``, or Ray's
+    gpu resource, set CUDA_VISIBLE_DEVICES to it, whatever this machine has)."""
     if eval_cmd is not None and tasks:
         raise InputError("--eval and --lm-eval are both given; evaluate with one of them")
     if eval_cmd is None and not tasks:
@@ -279,6 +283,6 @@ def resolve(
     spec = LmEvalSpec.parse(tasks or [], args, model)
     from dghard_cli.engine.device import resolve_device
 
-    dev = str(resolve_device(device))
+    dev = "cuda:0" if own_gpu else str(resolve_device(device))
     check(spec)
     return template(spec, dev), {**spec.describe(), "device": dev}
