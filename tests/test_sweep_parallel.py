@@ -270,3 +270,40 @@ def test_json_progress_is_one_object_per_line(pair, tmp_path, monkeypatch):
     last = [e for e in events if e["kind"] == "candidate"][-1]
     assert last["done"] == 3 and last["budget"] == 3 and last["best"]["name"] and "eta_s" in last
     assert json.loads(res.stdout)["winner"]["name"] == last["best"]["name"]
+
+
+def test_the_live_table_shows_running_queued_best_and_eta():
+    import io
+
+    from rich.console import Console
+
+    from dghard_cli.cli.render_sweep import ProgressLines, ProgressTable, progress_printer
+
+    buf = io.StringIO()
+    console = Console(file=buf, force_terminal=True, width=120)
+    printer = progress_printer(console)
+    assert isinstance(printer, ProgressTable)
+    assert isinstance(progress_printer(Console(file=io.StringIO())), ProgressLines)  # a log: lines
+    state = {"done": 1, "budget": 6, "slots": 2, "queued": 3, "eta_s": 754.0}
+    printer(
+        {
+            "kind": "evaluating",
+            "name": "hard scale=3.0",
+            "reference": False,
+            **state,
+            "running": ["hard scale=3.0"],
+        }
+    )
+    row = {"name": "soft scale=0.5", "phase": "coarse", "status": "ok", "hm": 82.1, "repair": 84.1,
+           "retention": 80.3, "cached": False, "seconds": {"eval": 2.5}, "device": "1"}  # fmt: skip
+    ev = {"kind": "candidate", "row": row, "order": 1, **state, "running": ["hard scale=3.0"],
+          "best": {"name": "soft scale=0.5", "hm": 82.1}}  # fmt: skip
+    printer(ev)
+    table = printer.table()
+    text = Console(file=io.StringIO(), width=120, record=True)
+    text.print(table)
+    shown = text.export_text()
+    assert "hard scale=3.0" in shown and "done 1/6" in shown and "queued 3" in shown
+    assert "best soft scale=0.5 HM 82.1" in shown and "ETA 12 min 34 s" in shown
+    printer.close()
+    assert "sweep 1/6 soft scale=0.5 (coarse): HM 82.1" in buf.getvalue() and "on device 1" in buf.getvalue()

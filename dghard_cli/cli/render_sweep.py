@@ -170,11 +170,9 @@ class ProgressLines:
                 self.console.print(
                     Text(f"[dghard] sweep: {ev['name']} {how} ({ev['benchmarks']} benchmarks)")
                 )
-        elif kind == "evaluating" and "done" not in ev:
-            self.console.print(Text(f"[dghard] sweep: evaluating {ev['name']} ..."))
-        elif kind == "evaluating" and ev.get("slots", 1) > 1:
+        elif kind == "evaluating" and (ev.get("reference") or ev.get("slots", 1) > 1):
             on = f" on device {ev['device']}" if ev.get("device") is not None else ""
-            self.console.print(Text(f"[dghard] sweep: started {ev['name']}{on}"))
+            self.console.print(Text(f"[dghard] sweep: evaluating {ev['name']}{on} ..."))
         elif kind == "candidate":
             self.console.print(Text(_candidate_line(ev) + _progress_tail(ev)))
 
@@ -207,28 +205,30 @@ class ProgressTable(ProgressLines):
             self.console.print(Text(_candidate_line(ev)))
         elif ev["kind"] == "finished":
             self.close()
-        elif ev["kind"] != "evaluating" or "done" not in ev:
+        elif ev["kind"] != "evaluating" or ev.get("reference"):
             super().__call__(ev)
 
-    def table(self) -> Table:
+    def table(self):  # noqa: ANN201 - a rich renderable
         import time
 
+        from rich.console import Group
+
         st = self.state
-        t = Table(box=None, show_header=True, header_style="bold", title_justify="left")
+        t = Table(box=None, show_header=True, header_style="bold")
         t.add_column("running")
         t.add_column("for", justify="right")
         now = time.time()
         for name in st.get("running", []):
             t.add_row(Text(name), _eta(now - self.started.get(name, now)))
-        if st:
-            best = st.get("best")
-            t.caption = (
-                f"done {st['done']}/{st['budget']} · running {len(st.get('running', []))} · queued "
-                f"{st.get('queued', 0)} · best {best['name'] + ' HM ' + _fmt_sweep(best['hm']) if best else '—'}"
-                f" · ETA {_eta(st.get('eta_s'))}"
-            )
-            t.caption_justify = "left"
-        return t
+        if not st:
+            return t
+        best = st.get("best")
+        line = (
+            f"done {st['done']}/{st['budget']} · running {len(st.get('running', []))} · queued "
+            f"{st.get('queued', 0)} · best {best['name'] + ' HM ' + _fmt_sweep(best['hm']) if best else '—'}"
+            f" · ETA {_eta(st.get('eta_s'))}"
+        )
+        return Group(t, Text(line, style="bold"))
 
     def close(self) -> None:
         if self.live.is_started:

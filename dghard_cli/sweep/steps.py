@@ -125,8 +125,8 @@ class EvaluationSteps:
                     if not local:
                         assignment["remote"] = True
                     self.running[job.key] = {"name": job.label, "since": time.time(), **assignment}
-                    self.emit(kind="evaluating", name=job.label, slot=slot, device=assignment.get("device"),
-                              **self.progress())  # fmt: skip
+                    self.emit(kind="evaluating", name=job.label, reference=job.write is None, slot=slot,
+                              device=assignment.get("device"), **self.progress())  # fmt: skip
                     flight[self.executor.submit(job, assignment)] = (job, slot)
                 if not flight:
                     continue
@@ -190,7 +190,6 @@ class EvaluationSteps:
             from dghard_cli.lora.source import is_adapter
 
             what = self._ref_name(label, ck)
-            self.emit(kind="evaluating", name=what)
             before[label] = input_identity(ck)
             model = ck.source if is_adapter(ck) else str(ck.path.resolve())
             jobs.append((label, self.eval_job(key, what, model=model, model_is_adapter=is_adapter(ck))))
