@@ -30,15 +30,29 @@ def run_job(job, assignment):
     if kind == "die_always":
         os._exit(1)
     if kind == "sleep_child":  # a long evaluation in its own session, killed on cancel
+        # Ray's non-force cancel raises KeyboardInterrupt between bytecodes only: a blocking
+        # proc.wait() would not see it, so poll.
         proc = subprocess.Popen(["sleep", "60"], start_new_session=True)
         Path(arg).write_text(str(proc.pid))
         try:
             while proc.poll() is None:
                 time.sleep(0.05)
+        except KeyboardInterrupt:
+            Path(arg + ".interrupted").write_text("")
+            raise
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
+        return "finished"
+    if kind == "stubborn":  # ignores the polite cancel; only the forced one stops it
+        Path(arg).write_text(str(os.getpid()))
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            try:
+                time.sleep(0.05)
+            except KeyboardInterrupt:
+                Path(arg + ".interrupted").write_text("")
         return "finished"
     if kind == "env":
         return os.environ.get("CUDA_VISIBLE_DEVICES")

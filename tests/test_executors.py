@@ -39,10 +39,18 @@ def ray_cluster():
             os.environ[key] = value
 
 
-def make(kind, ray_cluster_or_none, slots, resources=None):
+def make(kind, ray_cluster_or_none, slots, resources=None, **kw):
     if kind == "local":
         return LocalExecutor(run_job, slots, on_error)
-    return RayExecutor(run_job, slots, on_error, address=None, resources=resources or {"CPU": 1.0})
+    return RayExecutor(run_job, slots, on_error, address=None, resources=resources or {"CPU": 1.0}, **kw)
+
+
+def wait_for_file(path: Path, seconds: float = 30) -> str:
+    deadline = time.monotonic() + seconds
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.05)
+    return path.read_text()
 
 
 @pytest.fixture(params=["local", "ray"])
@@ -132,11 +140,7 @@ def test_ray_cancel_kills_the_evaluation(ray_cluster, tmp_path):
     pid_file = tmp_path / "pid"
     try:
         h = ex.submit(("sleep_child", str(pid_file)), {})
-        deadline = time.monotonic() + 30
-        while not pid_file.exists() or not pid_file.read_text():
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        pid = int(pid_file.read_text())
+        pid = int(wait_for_file(pid_file))
         assert not _gone(pid)
         t0 = time.monotonic()
         ex.cancel([h])
@@ -144,9 +148,29 @@ def test_ray_cancel_kills_the_evaluation(ray_cluster, tmp_path):
         assert ex.wait([h], timeout=0)[0][1][2] == "CancelledError"
     finally:
         ex.close()
+    assert (tmp_path / "pid.interrupted").exists()  # the polite cancel reached the job's cleanup
     deadline = time.monotonic() + 10
     while not _gone(pid):
         assert time.monotonic() < deadline, "sleep 60 survived the cancel"
+        time.sleep(0.1)
+
+
+def test_ray_cancel_forces_a_job_that_ignores_it(ray_cluster, tmp_path):
+    ex = make("ray", ray_cluster, 2, cancel_grace_s=1.0)
+    pid_file = tmp_path / "pid"
+    try:
+        h = ex.submit(("stubborn", str(pid_file)), {})
+        worker = int(wait_for_file(pid_file))
+        t0 = time.monotonic()
+        ex.cancel([h])
+        assert time.monotonic() - t0 < 5
+        assert ex.wait([h], timeout=0)[0][1][2] == "CancelledError"
+    finally:
+        ex.close()
+    assert (tmp_path / "pid.interrupted").exists()
+    deadline = time.monotonic() + 10
+    while not _gone(worker):
+        assert time.monotonic() < deadline, "the worker survived the forced cancel"
         time.sleep(0.1)
 
 
