@@ -254,7 +254,13 @@ class RayExecutor:
 
     ``fn`` must be importable by name on the workers (a module-level function of an installed
     package). ``address`` ``None`` starts a private local cluster (``num_cpus=slots``, loopback
-    only) unless Ray is already initialised in this process.
+    only) unless Ray is already initialised in this process (then that connection is used,
+    whatever ``address`` says, and ``close`` leaves it open).
+
+    Cancelling: Ray's polite cancel raises ``KeyboardInterrupt`` in the task between Python
+    bytecodes only, so ``fn`` must poll its evaluation (``proc.wait(timeout=...)`` in a loop,
+    not a bare ``proc.wait()``) and kill its process group on the way out; after
+    ``cancel_grace_s`` the worker is killed, which does not reach a child in its own session.
     """
 
     def __init__(
