@@ -184,11 +184,12 @@ def _task_options(resources: dict[str, float]) -> dict[str, Any]:
 # --- Ray ---------------------------------------------------------------------------------
 
 # Bounds on Ray's own connection retries (it otherwise retries a dead address for minutes).
-# Read by Ray when it is imported, so they only help if dghard imports Ray first.
+# Read by Ray when it is imported, so they only help if dghard imports Ray first. Measured on
+# Ray 2.60: a port that answers but is no Ray GCS is refused after ~24 s with these, minutes without.
 _CONNECT_ENV = {
-    "RAY_gcs_rpc_server_connect_timeout_s": "5",
-    "RAY_py_gcs_connect_timeout_s": "10",
-    "RAY_gcs_server_port_wait_time_s": "3",
+    "RAY_gcs_rpc_server_connect_timeout_s": "3",
+    "RAY_py_gcs_connect_timeout_s": "5",
+    "RAY_gcs_server_port_wait_time_s": "2",
 }
 _PROBE_TIMEOUT_S = 5.0
 
@@ -314,7 +315,23 @@ class RayExecutor:
     def _connect(self, ray: Any, address: str | None, runtime_env: dict | None) -> None:
         quiet = {"log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
         if address is None:
-            ray.init(num_cpus=self.slots, include_dashboard=False, runtime_env=runtime_env, **quiet)
+            # Loopback only. The environment variable set before import covers the usual case;
+            # if Ray was imported earlier, flip the constant it was read into (best effort).
+            constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+            saved = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+            if saved is not None:
+                constants.ENABLE_RAY_CLUSTER = False
+            try:
+                ray.init(  # "local": a new cluster even if RAY_ADDRESS is set
+                    address="local",
+                    num_cpus=self.slots,
+                    include_dashboard=False,
+                    runtime_env=runtime_env,
+                    **quiet,
+                )
+            finally:
+                if saved is not None:
+                    constants.ENABLE_RAY_CLUSTER = saved
             self._owns = True
             return
         _probe(address)
