@@ -190,7 +190,10 @@ def test_ray_refuses_resources_the_cluster_lacks(ray_cluster):
 
 
 def _fresh_python(code: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("RAY_")
+    }  # none of the fixture's Ray settings
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=60
     )
@@ -257,3 +260,20 @@ def test_parse_resources_refuses(text):
     with pytest.raises(InputError, match="^--eval-resources") as info:
         parse_resources(text)
     assert "\n" not in str(info.value)
+
+
+def test_ray_private_cluster_is_loopback_and_closed():
+    proc = _fresh_python("""
+        import ray
+        from executor_jobs import on_error, run_job
+        from dghard_cli.sweep.executors import RayExecutor
+        ex = RayExecutor(run_job, 2, on_error, address=None, resources={"CPU": 1.0})
+        h = ex.submit(("square", 6), {})
+        print("RESULT", ex.wait([h], timeout=60)[0][1][0])
+        print("NODES", sorted(n["NodeManagerAddress"] for n in ray.nodes()), ray.cluster_resources()["CPU"])
+        ex.close()
+        print("CLOSED", ray.is_initialized())
+        """)
+    assert "RESULT 36" in proc.stdout, proc.stdout + proc.stderr
+    assert "NODES ['127.0.0.1'] 2.0" in proc.stdout
+    assert "CLOSED False" in proc.stdout
