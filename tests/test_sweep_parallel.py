@@ -31,10 +31,21 @@ import json, os, subprocess, sys, time
 from pathlib import Path
 
 root, model, output, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
-stage = Path(os.environ["SWEEP_STAGE"])
+stage = Path(os.environ.get("SWEEP_STAGE", "/nonexistent"))
 on_disk = sum(1 for p in (stage / "jobs").glob("*/candidate") if p.is_dir()) + (stage / "winner").is_dir()
 rec = {"name": os.environ["DGHARD_CANDIDATE"], "start": time.time(), "device_arg": device,
        "cuda": os.environ.get("CUDA_VISIBLE_DEVICES"), "on_disk": on_disk, "pid": os.getpid()}
+control = root / "kill_worker.json"  # {"name": "once" | "always"}: SIGKILL the Ray worker running us
+how = json.loads(control.read_text()).get(rec["name"]) if control.exists() else None
+marker = root / ("killed-" + rec["name"].replace(" ", "_"))
+if how == "always" or (how == "once" and not marker.exists()):
+    marker.write_text("1")
+    pid = os.getpid()
+    while pid > 1:
+        pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
+            os.kill(pid, 9)
+            time.sleep(60)
 hang = os.environ.get("WRAP_HANG_ON")
 if hang and hang in rec["name"]:
     (root / "hanging").write_text(str(os.getpid()))
@@ -232,6 +243,11 @@ def test_keep_candidates_keeps_every_loser_in_out(pair, tmp_path, monkeypatch):
         (["--ray-address", "127.0.0.1:1"], "--ray-address needs --executor ray"),
         (["--eval-resources", "gpu=1"], "--eval-resources needs --executor ray"),
         (["--executor", "ray", "--devices", "0"], "--devices is for the local executor"),
+        (
+            ["--executor", "ray", "--ray-address", "127.0.0.1:1"],
+            "--ray-address '127.0.0.1:1': cannot connect",
+        ),
+        (["--executor", "ray", "--eval-resources", "gpu=-1"], "--eval-resources"),
     ],
 )
 def test_bad_execution_options_are_exit_2_before_anything_runs(pair, tmp_path, monkeypatch, args, message):

@@ -108,6 +108,19 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
+    """``proc.wait(timeout)`` in short steps, so that an interruption delivered between Python
+    bytecodes (Ray's cancel of a task) reaches this thread within a fraction of a second."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        step = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
+        try:
+            return proc.wait(timeout=step)
+        except subprocess.TimeoutExpired:
+            if deadline is not None and time.monotonic() >= deadline:
+                raise
+
+
 def run_command(
     template: str,
     model: Path,
@@ -142,7 +155,7 @@ def run_command(
         with _RUNNING_LOCK:
             _RUNNING.add(proc)
         try:
-            rc = proc.wait(timeout=timeout)
+            rc = _wait(proc, timeout)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             secs = time.perf_counter() - t0

@@ -439,13 +439,14 @@ class _Sweep(EvaluationSteps, SweepReport):
         try:
             self.open_inputs()
             lock.acquire()
+            # before anything is written: a cluster that cannot be reached is exit 2 with OUT untouched
+            self.executor = make_executor(self.opts, self.slots)
             started = self.stage.exists()
             self.stage.mkdir(parents=True, exist_ok=True)
             self.cache = Cache(self.stage)
             if started:
                 self.emit(kind="info", message=f"resuming: reusing the evaluations cached in {self.stage}")
             try:
-                self.executor = make_executor(self.opts, self.slots)
                 self.ft_rfs = []
                 self.references()
                 self.rescore()

@@ -1,0 +1,279 @@
+"""Sweep executors: threads (LocalExecutor) and Ray tasks (RayExecutor) on one shared local cluster."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from executor_jobs import on_error, run_job
+
+from dghard_cli.errors import InputError
+from dghard_cli.sweep.executors import LocalExecutor, RayExecutor, parse_resources
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+pytest.importorskip("ray")
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """One local cluster for the module: loopback only, 2 CPUs, 1 pretend GPU, quiet."""
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "PYTHONPATH")}
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # read when ray is imported
+    os.environ["PYTHONPATH"] = os.pathsep.join([str(TESTS), str(REPO), saved["PYTHONPATH"] or ""])
+    import ray
+
+    ray.init(num_cpus=2, num_gpus=1, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+    yield ray
+    ray.shutdown()
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def make(kind, ray_cluster_or_none, slots, resources=None, **kw):
+    if kind == "local":
+        return LocalExecutor(run_job, slots, on_error)
+    return RayExecutor(run_job, slots, on_error, address=None, resources=resources or {"CPU": 1.0}, **kw)
+
+
+def wait_for_file(path: Path, seconds: float = 30) -> str:
+    deadline = time.monotonic() + seconds
+    while not path.exists() or not path.read_text():
+        assert time.monotonic() < deadline, f"{path} never written"
+        time.sleep(0.05)
+    return path.read_text()
+
+
+@pytest.fixture(params=["local", "ray"])
+def kind(request):
+    if request.param == "ray":
+        request.getfixturevalue("ray_cluster")
+    return request.param
+
+
+def drain(ex, handles, timeout=60):
+    out, pending, deadline = {}, list(handles), time.monotonic() + timeout
+    while pending:
+        assert time.monotonic() < deadline, f"jobs still pending: {pending}"
+        for h, result in ex.wait(pending, timeout=5):
+            out[h] = result
+            pending.remove(h)
+    return [out[h] for h in handles]
+
+
+def test_same_results_and_errors_become_results(kind):
+    ex = make(kind, None, 2)
+    try:
+        jobs = [("square", 3), ("boom", 7), ("square", 4)]
+        results = drain(ex, [ex.submit(j, {"device": "1"}) for j in jobs])
+    finally:
+        ex.close()
+    assert results == [
+        (9, {"device": "1"}),
+        ("error", "boom", "ValueError", "bad candidate 7"),  # the job's own exception, both executors
+        (16, {"device": "1"}),
+    ]
+
+
+def test_slots_bound_jobs_in_flight(kind, tmp_path):
+    ex = make(kind, None, 2)
+    try:
+        handles = [ex.submit(("timed", (str(tmp_path), i, 0.6)), {}) for i in range(5)]
+        assert sorted(drain(ex, handles)) == [0, 1, 2, 3, 4]
+    finally:
+        ex.close()
+    spans = [tuple(map(float, p.read_text().split())) for p in tmp_path.glob("*.txt")]
+    most = max(sum(1 for s, e in spans if s <= t < e) for t, _ in spans)
+    assert most == 2  # at most 2 at once, and the two slots were used
+
+
+def test_wait_timeout_returns_nothing_yet(kind, tmp_path):
+    ex = make(kind, None, 1)
+    try:
+        h = ex.submit(("timed", (str(tmp_path), 0, 1.0)), {})
+        assert ex.wait([h], timeout=0.1) == []
+        assert drain(ex, [h]) == [0]
+    finally:
+        ex.close()
+
+
+def test_ray_worker_killed_once_is_retried(ray_cluster, tmp_path):
+    ex = make("ray", ray_cluster, 1)
+    marker = tmp_path / "first-attempt"
+    try:
+        assert drain(ex, [ex.submit(("die_once", str(marker)), {})]) == ["survived"]
+    finally:
+        ex.close()
+    assert marker.exists()
+
+
+def test_ray_worker_killed_twice_is_an_error_result(ray_cluster):
+    ex = make("ray", ray_cluster, 2)
+    try:
+        died, fine = drain(ex, [ex.submit(("die_always", None), {}), ex.submit(("square", 5), {})])
+    finally:
+        ex.close()
+    assert fine == (25, {})
+    assert died[:3] == ("error", "die_always", "WorkerLost")
+    assert "worker" in died[3] and "lost on both attempts" in died[3]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] == "Z"
+
+
+def test_ray_cancel_kills_the_evaluation(ray_cluster, tmp_path):
+    ex = make("ray", ray_cluster, 2)
+    pid_file = tmp_path / "pid"
+    try:
+        h = ex.submit(("sleep_child", str(pid_file)), {})
+        pid = int(wait_for_file(pid_file))
+        assert not _gone(pid)
+        t0 = time.monotonic()
+        ex.cancel([h])
+        assert time.monotonic() - t0 < 10
+        assert ex.wait([h], timeout=0)[0][1][2] == "CancelledError"
+    finally:
+        ex.close()
+    assert (tmp_path / "pid.interrupted").exists()  # the polite cancel reached the job's cleanup
+    deadline = time.monotonic() + 10
+    while not _gone(pid):
+        assert time.monotonic() < deadline, "sleep 60 survived the cancel"
+        time.sleep(0.1)
+
+
+def test_ray_cancel_forces_a_job_that_ignores_it(ray_cluster, tmp_path):
+    ex = make("ray", ray_cluster, 2, cancel_grace_s=1.0)
+    pid_file = tmp_path / "pid"
+    try:
+        h = ex.submit(("stubborn", str(pid_file)), {})
+        worker = int(wait_for_file(pid_file))
+        t0 = time.monotonic()
+        ex.cancel([h])
+        assert time.monotonic() - t0 < 5
+        assert ex.wait([h], timeout=0)[0][1][2] == "CancelledError"
+    finally:
+        ex.close()
+    assert (tmp_path / "pid.interrupted").exists()
+    deadline = time.monotonic() + 10
+    while not _gone(worker):
+        assert time.monotonic() < deadline, "the worker survived the forced cancel"
+        time.sleep(0.1)
+
+
+def test_ray_gpu_task_sees_its_device(ray_cluster):
+    ex = make("ray", ray_cluster, 1, resources=parse_resources("gpu=1,cpu=1"))
+    try:
+        assert drain(ex, [ex.submit(("env", None), {})]) == ["0"]
+    finally:
+        ex.close()
+
+
+def test_ray_refuses_resources_the_cluster_lacks(ray_cluster):
+    with pytest.raises(InputError, match="--eval-resources asks for gpu=2 .* has 1 GPU"):
+        make("ray", ray_cluster, 1, resources=parse_resources("gpu=2"))
+    with pytest.raises(InputError, match="accelerator_type:H100=0.01 .* has 0"):
+        make("ray", ray_cluster, 1, resources=parse_resources("accelerator_type:H100=0.01"))
+
+
+def _fresh_python(code: str) -> subprocess.CompletedProcess:
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith("RAY_")
+    }  # none of the fixture's Ray settings
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env, timeout=60
+    )
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1:1", "ray://127.0.0.1:1", "no-such-host.invalid:6379"])
+def test_unreachable_address_fails_fast(address):
+    t0 = time.monotonic()
+    proc = _fresh_python(f"""
+        from dghard_cli.errors import InputError
+        from dghard_cli.sweep.executors import RayExecutor
+        try:
+            RayExecutor(print, 1, print, address={address!r}, resources={{"CPU": 1.0}})
+        except InputError as exc:
+            print("INPUT-ERROR", exc)
+        """)
+    assert time.monotonic() - t0 < 30
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("INPUT-ERROR --ray-address"), proc.stdout + proc.stderr
+    assert "refused" in line or "resolve" in line
+
+
+def test_ray_missing_says_how_to_install():
+    proc = _fresh_python("""
+        import sys
+        sys.modules["ray"] = None
+        from dghard_cli.sweep.executors import RayExecutor
+        RayExecutor(print, 1, print, address=None, resources={})
+        """)
+    assert "pip install 'dghard[ray]'" in proc.stderr
+
+
+def test_parse_resources():
+    assert parse_resources("gpu=1,cpu=2,accelerator_type:H100=0.01,mem=16G") == {
+        "GPU": 1.0,
+        "CPU": 2.0,
+        "accelerator_type:H100": 0.01,
+        "memory": 16 * 1024**3,
+    }
+    assert parse_resources("") == {"CPU": 1.0}
+    assert parse_resources(None) == {"CPU": 1.0}
+    assert parse_resources(" GPU = 0.5 ") == {"GPU": 0.5, "CPU": 1.0}
+    assert parse_resources("mem=512MiB") == {"memory": 512 * 1024**2, "CPU": 1.0}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "gpu",
+        "gpu=",
+        "=1",
+        "gpu=one",
+        "gpu=-1",
+        "gpu=nan",
+        "gpu=inf",
+        "gpu=1.5",
+        "gpu=1,gpu=2",
+        "gpu=1,,cpu=1",
+        "a b=1",
+        "mem=lots",
+    ],
+)
+def test_parse_resources_refuses(text):
+    with pytest.raises(InputError, match="^--eval-resources") as info:
+        parse_resources(text)
+    assert "\n" not in str(info.value)
+
+
+def test_ray_private_cluster_is_loopback_and_closed():
+    proc = _fresh_python("""
+        import ray
+        from executor_jobs import on_error, run_job
+        from dghard_cli.sweep.executors import RayExecutor
+        ex = RayExecutor(run_job, 2, on_error, address=None, resources={"CPU": 1.0})
+        h = ex.submit(("square", 6), {})
+        print("RESULT", ex.wait([h], timeout=60)[0][1][0])
+        print("NODES", sorted(n["NodeManagerAddress"] for n in ray.nodes()), ray.cluster_resources()["CPU"])
+        ex.close()
+        print("CLOSED", ray.is_initialized())
+        """)
+    assert "RESULT 36" in proc.stdout, proc.stdout + proc.stderr
+    assert "NODES ['127.0.0.1'] 2.0" in proc.stdout
+    assert "CLOSED False" in proc.stdout
