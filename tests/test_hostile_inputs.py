@@ -1093,7 +1093,8 @@ def test_c5_disk_full_while_copying_side_files_is_exit_3_and_resumable(template,
     r = subprocess.run(cmd, env=e, capture_output=True, text=True, timeout=120, preexec_fn=limit_writes)
     assert r.returncode == 3, (r.returncode, r.stderr)
     line = one_line_error(r.stderr)
-    assert "side files" in line and "resume" in line
+    assert "the file size limit was reached while writing side file tokenizer.json" in line, line
+    assert "resume" in line
     assert (tmp_path / ".out.dghard-partial" / "dghard_journal.jsonl").exists() and not out.exists()
     r = subprocess.run(cmd + ["--json"], env=e, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr

@@ -266,6 +266,8 @@ def write_error(
         cause = "disk full"
     elif exc.errno in RESOURCE_ERRNOS:
         cause = "the system ran out of resources"
+    elif exc.errno == errno.EFBIG:
+        cause = "the file size limit was reached"
     else:
         cause = "I/O error"
     kept = f"; finished work is kept in {kept_in}" if kept_in is not None else ""
