@@ -34,6 +34,8 @@ SHORTER = {
     "--budget 16": "--budget 4",  # the layer-strengths sweep: 2 references + 2 lines points
     # the grid and the first compass steps; the per-group stage runs in tests/test_sweep_lines.py
     "--budget 26 --refine groups": "--budget 7 --refine groups",
+    # the parallel examples (local jobs, a local Ray cluster): 2 references + 2 candidates, at once
+    "--budget 8 --jobs 2": "--budget 4 --jobs 2",
 }
 
 
