@@ -136,6 +136,11 @@ def main() -> int:
         )
         for label, wall, rss, doc in results:
             same = comparable(doc) == comparable(base_doc)
+            if not same:
+                for a, b in zip(comparable(doc)["rows"], comparable(base_doc)["rows"]):
+                    diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
+                    if diff:
+                        print(f"  {label}: {a['name']} differs: {diff}")
             print(
                 f"{label:44s} {wall:8.1f} {base_wall / wall:9.2f} {rss / 1024:13.0f}  "
                 f"{'yes' if same else 'NO'} (winner {(doc['winner'] or {}).get('name')})"

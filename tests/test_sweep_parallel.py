@@ -10,6 +10,7 @@ logs, per evaluation, when it ran, on which device, and how many candidates were
 from __future__ import annotations
 
 import json
+import math
 import os
 import shlex
 import signal
@@ -323,3 +324,42 @@ def test_the_live_table_shows_running_queued_best_and_eta():
     assert "best soft scale=0.5 HM 82.1" in shown and "ETA 12 min 34 s" in shown
     printer.close()
     assert "sweep 1/6 soft scale=0.5 (coarse): HM 82.1" in buf.getvalue() and "on device 1" in buf.getvalue()
+
+
+def test_the_distance_has_the_same_bits_whatever_the_thread_count(tmp_path):
+    """A Ray worker measures the candidates it writes; the distance breaks ties, so it must not
+    depend on the process (torch's sums differed in the last bit between the sweep and a Ray
+    worker: a Ray sweep's report differed from the local one in scripts/bench_sweep_jobs.py)."""
+    import numpy as np
+    import torch
+    from safetensors.torch import save_file
+
+    from dghard_cli.io.checkpoint import Checkpoint
+    from dghard_cli.sweep.choose import update_distance
+
+    g = torch.Generator().manual_seed(3)
+    shapes = {"a.weight": (700, 900), "b.weight": (1500, 333)}
+    dirs = {}
+    for label in ("base", "ft", "cand"):
+        d = tmp_path / label
+        d.mkdir()
+        save_file({n: torch.randn(*s, generator=g) for n, s in shapes.items()}, str(d / "model.safetensors"))
+        dirs[label] = Checkpoint(d, label=label)
+    before = torch.get_num_threads()
+    try:
+        seen = set()
+        for n in (1, 2, 3, 4):
+            torch.set_num_threads(n)
+            seen.add(update_distance(dirs["base"], [dirs["ft"]], dirs["cand"]).hex())
+    finally:
+        torch.set_num_threads(before)
+        for ck in dirs.values():
+            ck.close()
+    assert len(seen) == 1, seen
+    # and it is the float64 distance: ‖C − F‖ / ‖F − B‖
+    from safetensors.numpy import load_file
+
+    b, f, c = (load_file(str(tmp_path / x / "model.safetensors")) for x in ("base", "ft", "cand"))
+    num = sum(np.sum((c[n].astype(np.float64) - f[n].astype(np.float64)) ** 2) for n in shapes)
+    den = sum(np.sum((f[n].astype(np.float64) - b[n].astype(np.float64)) ** 2) for n in shapes)
+    assert abs(float.fromhex(seen.pop()) - math.sqrt(num / den)) < 1e-11

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 from dghard_cli.io.checkpoint import Checkpoint
@@ -13,8 +14,17 @@ from dghard_cli.io.checkpoint import Checkpoint
 DISTANCE_BLOCK_BYTES = 64 * 1024 * 1024
 
 
+def _sq(x: torch.Tensor) -> float:
+    """Σ x² in float64 with numpy's pairwise summation, whose order depends on the length alone:
+    torch's reduction gave another last bit in a Ray worker process than in the sweep's own, and
+    the distance breaks ties."""
+    a = x.detach().cpu().numpy().ravel()
+    return float(np.sum(a * a))
+
+
 def update_distance(base: Checkpoint, fts: list[Checkpoint], cand: Checkpoint) -> float:
-    """‖W_c − W_ref‖ / ‖W_ref − W_base‖ over all floating tensors (float64, row blocks).
+    """‖W_c − W_ref‖ / ‖W_ref − W_base‖ over all floating tensors (float64, row blocks), to 12
+    significant digits.
 
     W_ref is the fine-tune (several: W_base + Σ_i (W_i − W_base)). Tensors whose shape differs
     from BASE's (a resized vocabulary) compare with the first fine-tune and add nothing to
@@ -39,7 +49,7 @@ def update_distance(base: Checkpoint, fts: list[Checkpoint], cand: Checkpoint) -
                 f0 = ft_infos[0]
                 if f0.shape != info.shape:
                     continue
-                num += float(torch.sum((c - f0.read(span).to(torch.float64)) ** 2))
+                num += _sq(c - f0.read(span).to(torch.float64))
                 continue
             bb = b.read(span).to(torch.float64)
             if len(fts) == 1:
@@ -48,11 +58,13 @@ def update_distance(base: Checkpoint, fts: list[Checkpoint], cand: Checkpoint) -
                 ref = bb.clone()
                 for t in ft_infos:
                     ref += t.read(span).to(torch.float64) - bb
-            num += float(torch.sum((c - ref) ** 2))
-            den += float(torch.sum((ref - bb) ** 2))
+            num += _sq(c - ref)
+            den += _sq(ref - bb)
     if den <= 0:
         return 0.0 if num <= 0 else math.inf
-    return math.sqrt(num / den)
+    # 12 significant digits: a last-bit difference between two machines' arithmetic (a Ray
+    # worker's CPU) cannot reorder a tie
+    return float(f"{math.sqrt(num / den):.12g}")
 
 
 def target_ok(cd: dict, min_retention: float | None) -> bool:
