@@ -137,7 +137,7 @@ def main() -> int:
         for label, wall, rss, doc in results:
             same = comparable(doc) == comparable(base_doc)
             if not same:
-                for a, b in zip(comparable(doc)["rows"], comparable(base_doc)["rows"]):
+                for a, b in zip(comparable(doc)["rows"], comparable(base_doc)["rows"], strict=False):
                     diff = {k: (a[k], b[k]) for k in a if a[k] != b[k]}
                     if diff:
                         print(f"  {label}: {a['name']} differs: {diff}")
