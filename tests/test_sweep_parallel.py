@@ -363,3 +363,33 @@ def test_the_distance_has_the_same_bits_whatever_the_thread_count(tmp_path):
     num = sum(np.sum((c[n].astype(np.float64) - f[n].astype(np.float64)) ** 2) for n in shapes)
     den = sum(np.sum((f[n].astype(np.float64) - b[n].astype(np.float64)) ** 2) for n in shapes)
     assert abs(float.fromhex(seen.pop()) - math.sqrt(num / den)) < 1e-11
+
+
+def test_a_full_disk_while_the_sweep_writes_its_report_is_exit_3_and_resumes(pair, tmp_path, monkeypatch):
+    """Writes without a message of their own (the sweep's report) used to end as 'internal
+    error: OSError'; a full disk is the machine's state: exit 3 saying so, the cache kept."""
+    import errno
+
+    from dghard_cli.sweep import run as sweep_run
+
+    _reset(pair)
+    real = sweep_run.write_json
+
+    def full(path, doc):
+        if Path(path).name == "sweep_report.json":
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real(path, doc)
+
+    monkeypatch.setattr(sweep_run, "write_json", full)
+    out = tmp_path / "out"
+    args = ["sweep", pair.base, pair.ft, out, "--eval", _template(pair), "--candidates", pair.candidates]
+    res = run_dghard(*args, "--budget", "4")
+    assert res.returncode == 3, res.stderr
+    line = res.stderr.strip().splitlines()[-1]
+    assert (
+        "disk full while writing" in line and "sweep_report.json" in line and "run the same command" in line
+    )
+    assert "internal error" not in res.stderr and staging_path(out).is_dir()
+    monkeypatch.setattr(sweep_run, "write_json", real)
+    res = run_dghard(*args, "--budget", "4", "--json")
+    assert res.returncode == 0 and json.loads(res.stdout)["budget"]["from_cache"] == 4

@@ -6,6 +6,7 @@ tensor); 3 runtime failure (out of memory, disk full, interrupted: the output is
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import sys
@@ -194,6 +195,18 @@ def run_cli(fn: Callable[[], Any], *, verbose: bool) -> Any:
         _fail("interrupted (run the same command again to resume)", 3)
     except typer.Exit:
         raise
+    except OSError as exc:
+        from dghard_cli.io.files import RESOURCE_ERRNOS
+
+        if verbose:
+            traceback.print_exc()
+        if exc.errno in RESOURCE_ERRNOS or exc.errno == errno.EFBIG:
+            # the machine, not the input or a bug: any write that has no message of its own
+            from dghard_cli.io.files import write_error
+
+            err = write_error(exc.filename or "a file", "an output", exc)
+            _fail(str(err), err.exit_code)
+        _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --verbose for a traceback)", 3)
     except Exception as exc:  # a bug or an unexpected runtime failure
         if verbose:
             traceback.print_exc()
