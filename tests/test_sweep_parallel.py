@@ -100,7 +100,9 @@ def _comparable(doc: dict) -> dict:
         {k: v for k, v in r.items() if k not in ("seconds", "cached", "device", "reproduce", "bytes")}
         for r in doc["candidates"]
     ]
-    win = {k: v for k, v in (doc["winner"] or {}).items() if k != "reproduce"}
+    # rewritten_at_end: whether the winner was still on disk at the end, which with a tie
+    # tolerance can depend on the order evaluations finished in (its bytes are the same)
+    win = {k: v for k, v in (doc["winner"] or {}).items() if k not in ("reproduce", "rewritten_at_end")}
     budget = {k: v for k, v in doc["budget"].items() if k not in ("run_now", "from_cache")}
     return {"rows": rows, "winner": win, "budget": budget, "benchmarks": doc["benchmarks"]}
 
@@ -393,3 +395,108 @@ def test_a_full_disk_while_the_sweep_writes_its_report_is_exit_3_and_resumes(pai
     monkeypatch.setattr(sweep_run, "write_json", real)
     res = run_dghard(*args, "--budget", "4", "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["budget"]["from_cache"] == 4
+
+
+def test_an_interruption_while_a_candidate_is_written_keeps_what_finished_meanwhile(
+    pair, tmp_path, monkeypatch
+):
+    """The main thread writes a candidate while others evaluate; an evaluation that finishes
+    during that write and a Ctrl-C before it is collected must still be cached."""
+    _reset(pair)
+    monkeypatch.setenv("WRAP_SLEEP", "0.8")
+    real, writes = steps.prepare, []
+
+    def slow_third_write(job):
+        if job.write is not None:
+            writes.append(job.label)
+            if len(writes) == 3:  # the first two candidates are evaluating meanwhile
+                deadline = time.time() + 60
+                while len([r for r in _log(pair) if r["name"] in writes[:2]]) < 2 and time.time() < deadline:
+                    time.sleep(0.05)
+                raise KeyboardInterrupt
+        return real(job)
+
+    monkeypatch.setattr(steps, "prepare", slow_third_write)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted):
+        _run(pair, out, monkeypatch, jobs=2)
+    finished = {r["name"] for r in _log(pair)}
+    assert set(writes[:2]) <= finished  # both had finished when the interruption came
+    monkeypatch.setattr(steps, "prepare", real)
+    (pair.root / "wrap.jsonl").unlink()
+    doc = _run(pair, out, monkeypatch, jobs=2)
+    assert not finished & {r["name"] for r in _log(pair)}  # none of them evaluated again
+    assert doc["budget"]["from_cache"] == len(finished)
+
+
+def test_an_evaluation_that_ignores_sigterm_is_killed_and_its_thread_returns(tmp_path):
+    from dghard_cli.sweep import evaluate
+
+    pidfile = tmp_path / "pid"
+    template = f"sh -c 'trap \"\" TERM; echo $$ > {pidfile}; sleep 60' {{model}} {{output}}"
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            evaluate.run_command(
+                template, tmp_path, tmp_path / "o", tmp_path / "logs", timeout=None, label="x"
+            )
+        except evaluate.EvaluationCancelled as exc:
+            outcome.append(exc)
+
+    evaluate.allow_evaluations()
+    t = threading.Thread(target=run)
+    t.start()
+    while not pidfile.exists() or not pidfile.read_text().strip():
+        time.sleep(0.05)
+    pid = int(pidfile.read_text())
+    t0 = time.monotonic()
+    assert evaluate.terminate_running(wait=evaluate.KILL_GRACE_S + 2) == 1
+    t.join(timeout=10)
+    assert not t.is_alive() and outcome and time.monotonic() - t0 < evaluate.KILL_GRACE_S + 3
+    assert not alive(pid)
+    evaluate.allow_evaluations()
+
+
+def test_device_lists_that_would_share_or_escape_a_gpu(pair, tmp_path, monkeypatch):
+    monkeypatch.setattr(execution, "visible_gpu_count", lambda: 8)
+    for devices, jobs_, message in (
+        (["1,01"], None, "device 1 is given twice"),
+        (["²"], None, "is not a device index"),
+        (["0,7"], 1, None),  # every listed device is checked, not only the first --jobs
+        (["0,9"], 1, "device 9 does not exist"),
+    ):
+        opts = SweepOptions(eval_template=_template(pair), devices=devices, jobs=jobs_)
+        if message is None:
+            assert execution.plan_execution(opts) == (1, ["0"])
+            continue
+        with pytest.raises(InputError, match=message):
+            execution.plan_execution(opts)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "GPU-aaaa,GPU-bbbb")
+    with pytest.raises(InputError, match="is not among this process's CUDA_VISIBLE_DEVICES"):
+        execution.plan_execution(SweepOptions(eval_template=_template(pair), devices=["GPU-cccc"]))
+    assert execution.plan_execution(SweepOptions(eval_template=_template(pair), devices=["1"])) == (
+        1,
+        ["GPU-bbbb"],
+    )
+    # {device} on Ray needs a GPU per task
+    opts = SweepOptions(
+        eval_template=_template(pair, "{device}"), executor="ray", eval_resources="gpu=0,cpu=1"
+    )
+    with pytest.raises(InputError, match="the Ray tasks get no GPU"):
+        execution.plan_execution(opts)
+
+
+def test_keep_candidates_keeps_every_loser_when_the_winner_is_decided_late(pair, tmp_path, monkeypatch):
+    """With a tie tolerance the winner so far is not monotone: the final winner may have lost
+    while its round ran. It comes back from the kept ones (not written again) and the candidate
+    that sat in the winner's place is kept, not deleted."""
+    _reset(pair)
+    doc = _run(
+        pair, tmp_path / "out", monkeypatch, jobs=3, budget=8, keep_candidates=True, tie_tolerance=1000.0
+    )
+    kept = sorted(p.name[:3] for p in (tmp_path / "out" / "candidates").iterdir())
+    losers = [f"{r['order']:03d}" for r in doc["candidates"] if r["order"] != doc["winner"]["order"]]
+    assert kept == losers
+    assert doc["winner"]["rewritten_at_end"] is False
+    assert not list((tmp_path / "out" / "candidates").glob("*.key"))

@@ -219,11 +219,12 @@ def sweep_cmd(
     printer = None if quiet else (json_lines(err) if json_out else progress_printer(err))
 
     def body() -> dict:
+        # an evaluation given its own GPU (--devices; Ray's gpu resource) sees it as cuda:0
+        from dghard_cli.sweep.execution import ray_gpus
         from dghard_cli.sweep.lm_eval import resolve
         from dghard_cli.sweep.run import SweepOptions, sweep
 
-        # an evaluation given its own GPU (--devices; Ray's gpu resource) sees it as cuda:0
-        own_gpu = bool(devices) or (executor == "ray" and "gpu" in (eval_resources or "").lower())
+        own_gpu = bool(devices) or (executor == "ray" and ray_gpus(eval_resources) > 0)
         eval_template, lm_eval_doc = resolve(
             eval_cmd, _split(lm_eval), lm_eval_args, lm_eval_model, device, own_gpu=own_gpu
         )

@@ -57,16 +57,37 @@ def fill_template(template: str, model: Path, output: Path, device: str = "") ->
 #: interrupted sweep can take every one of them down from its main thread.
 _RUNNING: set[subprocess.Popen] = set()
 _RUNNING_LOCK = threading.Lock()
+#: Set by :func:`terminate_running`: every thread waiting on an evaluation kills its group
+#: (SIGTERM, then SIGKILL after the grace period) and raises :class:`EvaluationCancelled`.
+_CANCEL = threading.Event()
 
 
-def terminate_running() -> int:
-    """SIGTERM the process group of every evaluation running in this process (they are then
-    killed by the thread that waits on them); returns how many there were."""
+class EvaluationCancelled(Exception):
+    """The sweep was interrupted while this evaluation ran (its process group is gone)."""
+
+
+def allow_evaluations() -> None:
+    """Clear a previous cancellation (a new sweep in the same process)."""
+    _CANCEL.clear()
+
+
+def terminate_running(wait: float | None = None) -> int:
+    """Take down every evaluation running in this process: SIGTERM to each process group now,
+    and the threads waiting on them kill what is left after the grace period. ``wait``: also
+    wait up to that many seconds for the groups to be gone. Returns how many there were."""
+    _CANCEL.set()
     with _RUNNING_LOCK:
         procs = list(_RUNNING)
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
+    if wait:
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            with _RUNNING_LOCK:
+                if not _RUNNING:
+                    break
+            time.sleep(0.05)
     return len(procs)
 
 
@@ -110,15 +131,23 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
     """``proc.wait(timeout)`` in short steps, so that an interruption delivered between Python
-    bytecodes (Ray's cancel of a task) reaches this thread within a fraction of a second."""
+    bytecodes (Ray's cancel of a task) or :func:`terminate_running` reaches this thread within a
+    fraction of a second; an evaluation the interruption killed raises EvaluationCancelled (it
+    is no result, so it is not cached)."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
+        if _CANCEL.is_set():
+            raise EvaluationCancelled("the sweep was interrupted")
         step = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
         try:
-            return proc.wait(timeout=step)
+            rc = proc.wait(timeout=step)
         except subprocess.TimeoutExpired:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
+            continue
+        if rc != 0 and _CANCEL.is_set():  # killed by the interruption: not a result of its own
+            raise EvaluationCancelled("the sweep was interrupted")
+        return rc
 
 
 def run_command(
@@ -131,9 +160,11 @@ def run_command(
     label: str,
     device: str = "",
     env: dict[str, str] | None = None,
+    cwd: str | None = None,
 ) -> EvalRun:
     """Run the evaluation of ``model``; ``logs`` is a directory for its stdout and stderr.
-    ``device`` replaces ``{device}``; ``env`` is added to this process's environment."""
+    ``device`` replaces ``{device}``; ``env`` is added to this process's environment; ``cwd``:
+    where the command runs (default: here)."""
     logs.mkdir(parents=True, exist_ok=True)
     out_log, err_log = logs / "stdout.log", logs / "stderr.log"
     cmd = fill_template(template, model, output, device)
@@ -150,6 +181,7 @@ def run_command(
             stdout=so,
             stderr=se,
             env=env,
+            cwd=cwd,
             start_new_session=True,
         )
         with _RUNNING_LOCK:

@@ -34,13 +34,19 @@ def visible_gpu_count() -> int:
 
 
 def parse_devices(values: list[str] | None) -> list[str]:
-    """``["0,1", "2"]`` → ``["0", "1", "2"]``; InputError for an empty or repeated entry."""
+    """``["0,1", "2"]`` → ``["0", "1", "2"]``; InputError for an empty, malformed or repeated
+    entry (``1,01`` is GPU 1 twice)."""
     out: list[str] = []
     for v in values or []:
         for d in str(v).split(","):
             d = d.strip()
             if not d:
                 raise InputError(f"--devices {v!r}: an empty entry; give device indices like 0,1,2,3")
+            if not _UUID.match(d) and not (d.isascii() and d.isdigit()):
+                raise InputError(
+                    f"--devices: {d!r} is not a device index (0, 1, ...) or a GPU/MIG UUID (GPU-…, MIG-…)"
+                )
+            d = d if _UUID.match(d) else str(int(d))
             if d in out:
                 raise InputError(f"--devices {v!r}: device {d} is given twice")
             out.append(d)
@@ -53,10 +59,11 @@ def check_devices(devices: list[str]) -> list[str]:
         return []
     parent = [d.strip() for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
     indices = [d for d in devices if not _UUID.match(d)]
-    for d in indices:
-        if not d.isdigit():
+    for d in devices:
+        if _UUID.match(d) and parent and any(_UUID.match(p) for p in parent) and d not in parent:
             raise InputError(
-                f"--devices: {d!r} is not a device index (0, 1, ...) or a GPU/MIG UUID (GPU-…, MIG-…)"
+                f"--devices: {d} is not among this process's CUDA_VISIBLE_DEVICES "
+                f"({os.environ['CUDA_VISIBLE_DEVICES']}): an evaluation may not escape it"
             )
     count = visible_gpu_count() if indices else 0
     for d in indices:
@@ -97,13 +104,26 @@ def plan_execution(opts) -> tuple[int, list[str]]:  # noqa: ANN001 - SweepOption
             f"--jobs {slots} with {len(devices)} device(s) in --devices: each running evaluation needs "
             f"a device of its own (give --jobs {len(devices)} or more devices)"
         )
-    if Template.parse(opts.eval_template).uses("device") and not devices and opts.executor == "local":
-        raise InputError(
-            "--eval uses {device} but no --devices were given: name the GPUs the evaluations may use, "
-            "e.g. --devices 0,1"
-        )
-    mapped = check_devices(devices[:slots])
-    return slots, mapped
+    if Template.parse(opts.eval_template).uses("device") and not devices:
+        if opts.executor == "local":
+            raise InputError(
+                "--eval uses {device} but no --devices were given: name the GPUs the evaluations may use, "
+                "e.g. --devices 0,1"
+            )
+        if not ray_gpus(opts.eval_resources):
+            raise InputError(
+                "--eval uses {device} but the Ray tasks get no GPU: give --eval-resources gpu=1 "
+                "(Ray then sets the task's CUDA_VISIBLE_DEVICES, which {device} becomes)"
+            )
+    mapped = check_devices(devices)
+    return slots, mapped[:slots]
+
+
+def ray_gpus(eval_resources: str | None) -> float:
+    """The GPUs each Ray task asks for in ``--eval-resources`` (0 when none)."""
+    from dghard_cli.sweep.executors import parse_resources
+
+    return float(parse_resources(eval_resources or "").get("GPU", 0.0))
 
 
 def make_executor(opts, slots: int):  # noqa: ANN001, ANN201 - SweepOptions, executors.Executor

@@ -79,6 +79,7 @@ class Job:
     write: CandidateWrite | None = None
     prepared: dict | None = None  # the candidate written already (:func:`prepare_candidate`)
     env: dict[str, str] = field(default_factory=dict)
+    cwd: str | None = None  # where the evaluation command runs (the sweep's working directory)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class JobResult:
     results: str | None = None
     prepared: dict | None = None
     cacheable: bool = True  # False: a transient failure (a lost worker), evaluated again on resume
+    fatal: str | None = None  # the machine failed (disk full on a worker): the sweep stops, exit 3
 
 
 def _now() -> str:
@@ -229,6 +231,29 @@ def prepare_candidate(job: Job) -> dict:
     return {**info, "distance": distance, "distance_seconds": round(time.perf_counter() - t0, 3)}
 
 
+def prepare_failure(job: Job, exc: BaseException, *, remote: bool) -> JobResult:
+    """The result of a job whose candidate could not be written (or whose adapter could not be
+    merged for its evaluation), the same wherever it ran: bad input for this candidate (its
+    strengths overflow the output dtype) fails the candidate, cached; the machine's failure
+    (disk full, out of descriptors: a runtime failure) stops the sweep (``fatal``, exit 3)."""
+    from dghard_cli.io.files import RESOURCE_ERRNOS
+
+    what = getattr(exc, "message", None) or str(exc)
+    doing = "candidate could not be written" if job.write is not None else "model could not be prepared"
+    message = f"the {doing}: {what}"
+    machine = isinstance(exc, RuntimeFailure) or (isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS)
+    res = failed_result(
+        job,
+        message,
+        # bad input is this candidate's own; on a remote worker it may be the node's (no shared
+        # file system there), so it is tried again on resume
+        cacheable=isinstance(exc, InputError) and job.write is not None and not remote,
+    )
+    if machine:
+        res.fatal = message
+    return res
+
+
 def run_job(job: Job, assignment: dict | None = None) -> JobResult:
     """Prepare (unless the sweep did: ``job.prepared``), evaluate and check one job; never
     raises for the job's own failures (they are its record), only for an interruption."""
@@ -236,19 +261,14 @@ def run_job(job: Job, assignment: dict | None = None) -> JobResult:
     work = Path(job.workdir)
     prepared = job.prepared
     remote = bool(assignment.get("remote"))
-    where = f" on {socket.gethostname()}" if remote else ""
     if prepared is None:
         try:
             prepared = prepare(job)
         except (InputError, RuntimeFailure, OSError) as exc:
-            what = getattr(exc, "message", None) or str(exc)
-            doing = "written" if job.write is not None else "prepared for evaluation"
-            return failed_result(
-                job,
-                f"the {'candidate' if job.write is not None else 'model'} could not be {doing}{where}: {what}",
-                # a remote worker's failure may be its own (a node without the shared file system)
-                cacheable=isinstance(exc, InputError) and not remote and job.write is not None,
-            )
+            res = prepare_failure(job, exc, remote=remote)
+            if remote:
+                res.rec["node"] = socket.gethostname()
+            return res
     model = Path(prepared["model"])
     merged = work / MERGED_DIR if "merged_bytes" in prepared else None
     ev = work / EVAL_DIR
@@ -288,6 +308,7 @@ def run_job(job: Job, assignment: dict | None = None) -> JobResult:
     }
     if "merge_seconds" in prepared:
         rec["seconds"]["merge"] = prepared["merge_seconds"]
+        rec["merged_bytes"] = prepared.get("merged_bytes", 0)
     if assignment.get("device") is not None:
         rec["device"] = device
     results = None

@@ -403,9 +403,16 @@ class _Sweep(EvaluationSteps, SweepReport):
                 problem = integrity.verify_hashes(wdir, kept.get("snapshot"))
                 problem = problem and f"it changed on disk: {problem}"
             if problem:
-                self.emit(kind="info", message=f"writing the winner {winner['name']} again ({problem})")
-                self.write(self.cands[winner["key"]], winner["key"], wdir)
-                regenerated = True
+                # what stage/winner holds lost after all (several at a time, a tie tolerance or
+                # the units of later results can reorder the winner): kept, or deleted
+                if kept is None:
+                    self.drop(wdir, self.stage / "winner.key")
+                else:  # the winner itself, changed by the evaluation: never kept
+                    shutil.rmtree(wdir, ignore_errors=True)
+                if not self.from_kept(winner["key"], wdir):
+                    self.emit(kind="info", message=f"writing the winner {winner['name']} again ({problem})")
+                    self.write(self.cands[winner["key"]], winner["key"], wdir)
+                    regenerated = True
             os.replace(wdir, final)
             (self.stage / "winner.key").unlink(missing_ok=True)
         else:
@@ -414,6 +421,8 @@ class _Sweep(EvaluationSteps, SweepReport):
             final.mkdir()
         kept = self.stage / "kept"
         if self.opts.keep_candidates and kept.is_dir():
+            for keyfile in kept.glob("*.key"):
+                keyfile.unlink()
             os.replace(kept, final / "candidates")
         doc = self.report(winner, reason, regenerated)
         doc["output"]["checkpoint_bytes"] = dir_bytes(final)

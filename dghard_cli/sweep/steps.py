@@ -26,6 +26,7 @@ evaluation command gets that model as a full checkpoint, as it got FT."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import re
@@ -48,9 +49,9 @@ from dghard_cli.sweep.jobs import (
     CandidateWrite,
     Job,
     JobResult,
-    failed_result,
     prepare,
     prepare_candidate,
+    prepare_failure,
     written_info,
 )
 
@@ -71,6 +72,16 @@ class EvaluationSteps:
     def job_dir(self, key: str) -> Path:
         return self.stage / "jobs" / key
 
+    @property
+    def remote(self) -> bool:
+        return bool(getattr(self.executor, "remote", False))
+
+    def spec_for_job(self, spec: str) -> str:
+        """An input as a job names it: a local path absolute for a remote worker (whose working
+        directory is not this one), a Hub id as given."""
+        p = Path(spec).expanduser()
+        return str(p.absolute()) if self.remote and p.exists() else spec
+
     def eval_job(self, key: str, label: str, **kw) -> Job:
         return Job(
             key=key,
@@ -78,13 +89,16 @@ class EvaluationSteps:
             template=self.opts.eval_template,
             timeout=self.opts.eval_timeout,
             workdir=str(self.job_dir(key)),
-            base=self.base_spec,
+            base=self.spec_for_job(self.base_spec),
             device=self.opts.device,
+            cwd=os.getcwd(),
             **kw,
         )
 
     def _disk_needed(self) -> int:
-        sizes = [r.get("bytes") or 0 for r in self.records.values()]
+        """What one more candidate may take: the largest so far (with its merged checkpoint, for
+        an adapter), or before the first, the largest input."""
+        sizes = [(r.get("bytes") or 0) + (r.get("merged_bytes") or 0) for r in self.records.values()]
         guess = max(sizes, default=0) or max(ck.total_bytes for ck in [self.base_ck, *self.ft_cks])
         return int(guess) + DISK_HEADROOM
 
@@ -93,36 +107,44 @@ class EvaluationSteps:
 
     def run_jobs(self, jobs: list[Job], on_done: Callable[[Job, JobResult], None]) -> None:
         """Run ``jobs`` on the executor, at most ``slots`` at a time, in order of submission;
-        ``on_done`` is called in this thread as each finishes (in order of completion)."""
+        ``on_done`` is called in this thread as each finishes (in order of completion). A job
+        whose worker hit the machine's limits (disk full) stops the sweep: RuntimeFailure."""
+        from dghard_cli.sweep.evaluate import KILL_GRACE_S, allow_evaluations, terminate_running
+
+        allow_evaluations()
         queue = list(jobs)
         flight: dict[object, tuple[Job, int]] = {}
         free = list(range(self.executor.slots))
-        local = not getattr(self.executor, "remote", False)
+
+        def finished(handle: object, result: JobResult) -> None:
+            job, slot = flight.pop(handle)
+            free.append(slot)
+            free.sort()
+            self.running.pop(job.key, None)
+            if result.fatal:
+                raise RuntimeFailure(
+                    result.fatal, hint="free space (or fix the cause) and run the same command again"
+                )
+            on_done(job, result)
+
         try:
             while queue or flight:
                 while queue and free:
                     job = queue[0]
-                    if job.write is not None and not self._fits(job, bool(flight)):
+                    if job.write is not None and not self._fits(job, flight):
                         break  # wait for a running evaluation to free its candidate's space
                     queue.pop(0)
-                    if local and job.prepared is None:
+                    if not self.remote and job.prepared is None:
                         try:  # written (or merged) here, in the main thread, one at a time
                             job = replace(job, prepared=prepare(job))
                         except InputError as exc:
-                            what = (
-                                "candidate could not be written"
-                                if job.write
-                                else "model could not be prepared"
-                            )
-                            on_done(
-                                job, failed_result(job, f"the {what}: {exc}", cacheable=job.write is not None)
-                            )
+                            on_done(job, prepare_failure(job, exc, remote=False))
                             continue
                     slot = free.pop(0)
                     assignment: dict = {"slot": slot}
                     if self.devices:
                         assignment["device"] = self.devices[slot]
-                    if not local:
+                    if self.remote:
                         assignment["remote"] = True
                     self.running[job.key] = {"name": job.label, "since": time.time(), **assignment}
                     self.emit(kind="evaluating", name=job.label, reference=job.write is None, slot=slot,
@@ -131,34 +153,44 @@ class EvaluationSteps:
                 if not flight:
                     continue
                 for handle, result in self.executor.wait(list(flight), timeout=None if not queue else POLL_S):
-                    job, slot = flight.pop(handle)
-                    free.append(slot)
-                    free.sort()
-                    self.running.pop(job.key, None)
-                    on_done(job, result)
+                    finished(handle, result)
         except BaseException:
-            from dghard_cli.sweep.evaluate import terminate_running
-
-            terminate_running()
+            # evaluations still running are stopped (their jobs fail, uncached); what finished
+            # meanwhile (while this thread wrote a candidate) is collected and cached for the resume
+            terminate_running(wait=KILL_GRACE_S + 1)
+            deadline = time.monotonic() + 2.0
+            with contextlib.suppress(Exception):
+                while flight and time.monotonic() < deadline:
+                    for handle, result in self.executor.wait(list(flight), 0.2):
+                        with contextlib.suppress(Exception):
+                            finished(handle, result)
             if flight:
                 self.executor.cancel(list(flight))
             raise
 
-    def _fits(self, job: Job, others_running: bool) -> bool:
-        """Whether the candidate of ``job`` fits on the disk now; RuntimeFailure (exit 3) when it
-        cannot fit and nothing running could free space."""
+    def _fits(self, job: Job, flight: dict) -> bool:
+        """Whether the candidate of ``job`` fits on the disk now, besides the candidates of the
+        jobs in flight that are not written yet (a Ray worker writes its own); RuntimeFailure
+        (exit 3) when it cannot fit and nothing running could free space."""
         if job.prepared is not None or written_info(
             self.job_dir(job.key) / CANDIDATE_DIR, job.key, self.stage
         ):
             return True
-        need, free = self._disk_needed(), self._disk_free()
+        need = self._disk_needed()
+        unwritten = sum(
+            1
+            for j, _ in flight.values()
+            if j.write is not None
+            and not written_info(self.job_dir(j.key) / CANDIDATE_DIR, j.key, self.stage)
+        )
+        free = self._disk_free() - unwritten * need
         if free >= need:
             return True
-        if others_running:
+        if flight:
             return False
         raise RuntimeFailure(
             f"not enough free disk space in {self.stage.parent} for the next candidate: about "
-            f"{need / 2**20:.0f} MiB needed, {free / 2**20:.0f} MiB free",
+            f"{need / 2**20:.0f} MiB needed, {max(free, 0) / 2**20:.0f} MiB free",
             hint="free space (or lower --jobs) and run the same command again to resume",
         )
 
@@ -191,7 +223,7 @@ class EvaluationSteps:
 
             what = self._ref_name(label, ck)
             before[label] = input_identity(ck)
-            model = ck.source if is_adapter(ck) else str(ck.path.resolve())
+            model = self.spec_for_job(ck.source) if is_adapter(ck) else str(ck.path.resolve())
             jobs.append((label, self.eval_job(key, what, model=model, model_is_adapter=is_adapter(ck))))
 
         by_key = {j.key: label for label, j in jobs}
@@ -317,8 +349,8 @@ class EvaluationSteps:
             name,
             write=CandidateWrite(
                 cand=cand,
-                base=self.base_spec,
-                fts=tuple(self.ft_specs),
+                base=self.spec_for_job(self.base_spec),
+                fts=tuple(self.spec_for_job(f) for f in self.ft_specs),
                 argv=tuple(self.reproduce(cand)),
                 report_out=self.out_arg,  # the winner ends up in OUT: its report says so
                 merge_adapters=self.adapters and not adapter,
@@ -362,6 +394,7 @@ class EvaluationSteps:
         for p in planned:
             rec = self.cache.get(p["key"])
             if rec is not None:
+                shutil.rmtree(self.job_dir(p["key"]), ignore_errors=True)  # left by an interruption
                 self.cached_count += 1
                 finished[p["key"]] = self._add_row(p, rec, cached=True)
             else:
@@ -377,6 +410,8 @@ class EvaluationSteps:
                 distance=prep.get("distance", math.inf),
                 bytes=prep.get("bytes"),
             )
+            if prep.get("merged_bytes"):
+                rec["merged_bytes"] = prep["merged_bytes"]
             rec["seconds"] = {
                 **rec.get("seconds", {}),
                 **({"write": prep["seconds"]} if "seconds" in prep else {}),
@@ -477,17 +512,34 @@ class EvaluationSteps:
         shutil.rmtree(jdir, ignore_errors=True)
 
     def drop(self, cdir: Path, keyfile: Path) -> None:
-        """Delete a candidate that lost (``keep_candidates``: move it to ``<stage>/kept/``)."""
+        """Delete a candidate that lost (``keep_candidates``: move it, with its key file, to
+        ``<stage>/kept/NNN-name``)."""
         if self.opts.keep_candidates and cdir.is_dir():
-            info = self.on_disk(cdir, self._key_of(keyfile)) if keyfile.exists() else None
-            row = next((r for r in self.rows if info and r["key"] == info["key"]), None)
+            key = self._key_of(keyfile) if keyfile.exists() else ""
+            row = next((r for r in self.rows if key and r["key"] == key), None)
             if row is not None:
                 kept = self.stage / "kept" / f"{row['order']:03d}-{_slug(row['name'])}"
                 kept.parent.mkdir(parents=True, exist_ok=True)
                 shutil.rmtree(kept, ignore_errors=True)
+                os.replace(keyfile, kept.parent / f"{kept.name}.key")
                 os.replace(cdir, kept)
         shutil.rmtree(cdir, ignore_errors=True)
         keyfile.unlink(missing_ok=True)
+
+    def from_kept(self, key: str, target: Path) -> bool:
+        """Move the kept candidate of ``key`` (``keep_candidates``) to ``target``, if it is there
+        intact: the winner chosen at the end may be one that lost while the round ran."""
+        from dghard_cli.sweep import integrity
+
+        kept = self.stage / "kept"
+        for keyfile in sorted(kept.glob("*.key")) if kept.is_dir() else []:
+            cdir = keyfile.with_suffix("")
+            info = self.on_disk(cdir, key)
+            if info is not None and integrity.verify_hashes(cdir, info.get("snapshot")) is None:
+                os.replace(cdir, target)
+                os.replace(keyfile, target.parent / f"{target.name}.key")
+                return True
+        return False
 
     def _key_of(self, keyfile: Path) -> str:
         from dghard_cli.io.files import read_json, realpath
