@@ -15,7 +15,7 @@ from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTI
 SWEEP_EPILOG = """
 **Examples**
 
-    dghard sweep BASE FT OUT --eval 'lm_eval --model hf --model_args pretrained={model} --tasks gsm8k,arc_challenge,medqa_4options --output_path {output}' --target medqa_4options --budget 8
+    dghard sweep BASE FT OUT --lm-eval gsm8k,arc_challenge,medqa_4options --target medqa_4options --budget 8
 
     dghard sweep BASE FT OUT --eval './my_eval.sh {model} {output}' --candidates configs/sweep-default.yaml --fail-under 70
 
@@ -23,16 +23,16 @@ SWEEP_EPILOG = """
 
     dghard sweep BASE FT OUT --eval './my_eval.sh {model} {output}' --budget 32 --refine groups
 
+    dghard sweep BASE FT OUT --lm-eval gsm8k --budget 32 --devices 0,1,2,3   # 4 at a time, one GPU each
+
+    dghard sweep BASE FT OUT --lm-eval gsm8k --budget 32 --executor ray --ray-address auto --eval-resources gpu=1 --jobs 16
+
 The template runs through the shell; {model} and {output} become shell-quoted paths (do not
-quote them yourself). {output} does not exist yet: write a results JSON file there or a
-directory with lm-evaluation-harness results*.json. Without {output}, print the JSON on stdout.
-An interrupted sweep resumes when the same command is run again.
-
-    dghard sweep BASE FT OUT --eval './my_eval.sh {model} {output}' --devices 0,1,2,3   # 4 evaluations at a time, one GPU each
-
-    dghard sweep BASE FT OUT --eval './my_eval.sh {model} {output}' --executor ray --ray-address auto --eval-resources gpu=1 --jobs 16
-
-With --json, progress goes to stderr as one JSON object per line and the report to stdout.
+quote them yourself), {device} the evaluation's GPU (--devices). {output} does not exist yet:
+write a results JSON file there or a directory with lm-evaluation-harness results*.json. Without
+{output}, print the JSON on stdout. The evaluated set and the winner do not depend on --jobs or
+the executor. An interrupted sweep resumes when the same command is run again. With --json, the
+report goes to stdout and the progress to stderr, one JSON object per line.
 """
 
 
