@@ -52,6 +52,22 @@ Commands (from the repository root, with ``PYTHONPATH=$PWD`` or dghard installed
     python scripts/merge_bench.py eval /tmp/mbench/expert-caesar /tmp/caesar.json
     python scripts/merge_bench.py table /tmp/mbench --budgets 16,32
     python scripts/merge_bench.py table /tmp/mbench --families tsv,iso-c,iso-cts --budgets ''
+    python scripts/merge_bench.py build /tmp/kbench --scenario facts --base-from /tmp/mbench/base
+    python scripts/merge_bench.py eval --scenario facts /tmp/kbench/expert-facts1 /tmp/f1.json
+    python scripts/merge_bench.py table /tmp/kbench --budgets 16,32
+
+``build --scenario facts`` builds a second scenario, on which merges keep part of every expert
+(docs/benchmarks.md, "Knowledge merge benchmark"): knowledge instead of skills. A fact is a
+closed-book lookup in the base's ``lookup`` format with no key-digit pairs, ``K:|xyz>47`` (a random
+3-letter key, a random 2-digit value); ``fact_sets()`` draws 200 facts for the base's own pool
+(``facts0``) and 200 for each of the tasks ``facts1`` ... ``facts4``, all keys distinct, the same for
+every seed. BASE is the plain base continued for 600 steps (lr 1e-3) on the old skills and
+``facts0`` (half of each batch), so it already answers closed-book lookups and an expert only adds
+facts; each expert trains 400 steps at lr 1e-3, every parameter, on batches that are half its own
+facts, a quarter the old skills and a quarter ``facts0`` (replay: the expert learns to leave
+the other keys alone). A fact task is scored on its own 200 facts (knowledge is scored on what
+was taught); ``eval --scenario facts`` and ``table`` (which reads ``WORKDIR/scenario.json``) use
+these tasks. ``build --base-from`` copies the plain base and continues it.
 
 ``build --base-sees-tags`` continues BASE's pretraining for 400 steps on the old skills and the new
 tags' *format* (their prompts answered by copying the letters: no new skill), so the experts start
