@@ -52,6 +52,22 @@ Commands (from the repository root, with ``PYTHONPATH=$PWD`` or dghard installed
     python scripts/merge_bench.py eval /tmp/mbench/expert-caesar /tmp/caesar.json
     python scripts/merge_bench.py table /tmp/mbench --budgets 16,32
     python scripts/merge_bench.py table /tmp/mbench --families tsv,iso-c,iso-cts --budgets ''
+    python scripts/merge_bench.py build /tmp/kbench --scenario facts --base-from /tmp/mbench/base
+    python scripts/merge_bench.py eval --scenario facts /tmp/kbench/expert-facts1 /tmp/f1.json
+    python scripts/merge_bench.py table /tmp/kbench --budgets 16,32
+
+``build --scenario facts`` builds a second scenario, on which merges keep part of every expert
+(docs/benchmarks.md, "Knowledge merge benchmark"): knowledge instead of skills. A fact is a
+closed-book lookup in the base's ``lookup`` format with no key-digit pairs, ``K:|xyz>47`` (a random
+3-letter key, a random 2-digit value); ``fact_sets()`` draws 200 facts for the base's own pool
+(``facts0``) and 200 for each of the tasks ``facts1`` ... ``facts4``, all keys distinct, the same for
+every seed. BASE is the plain base continued for 600 steps (lr 1e-3) on the old skills and
+``facts0`` (half of each batch), so it already answers closed-book lookups and an expert only adds
+facts; each expert trains 400 steps at lr 1e-3, every parameter, on batches that are half its own
+facts, a quarter the old skills and a quarter ``facts0`` (replay: the expert learns to leave
+the other keys alone). A fact task is scored on its own 200 facts (knowledge is scored on what
+was taught); ``eval --scenario facts`` and ``table`` (which reads ``WORKDIR/scenario.json``) use
+these tasks. ``build --base-from`` copies the plain base and continues it.
 
 ``build --base-sees-tags`` continues BASE's pretraining for 400 steps on the old skills and the new
 tags' *format* (their prompts answered by copying the letters: no new skill), so the experts start
@@ -68,6 +84,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import importlib.util
 import json
 import math
@@ -102,6 +119,7 @@ OLD_SKILLS: tuple[str, ...] = fb.SKILLS
 TASKS: tuple[str, ...] = ("caesar", "atbash", "rotate", "swap")
 TAGS: dict[str, str] = {"caesar": "C", "atbash": "1", "rotate": "2", "swap": "3"}
 LETTERS = fb.LETTERS
+DIGITS = "0123456789"
 EVAL_SEED = 20260101  # new skills' held-out sets (the old skills' are forgetting_bench's)
 EVAL_N = fb.EVAL_N
 MASTERY = 90.0  # points an expert must reach on its own skill
@@ -123,12 +141,71 @@ FULL_TAGS = ExpertScale(steps=400, lr=1e-3, batch=64)
 TINY_TAGS = ExpertScale(steps=5, lr=1e-3, batch=32)
 FORMAT = "-format"  # a sampler skill "TASK-format": TASK's prompt, answered by copying its letters
 
+# --scenario facts: closed-book lookups ``K:|xyz>47`` (no key-digit pairs before ``|``); each fact
+# task is its own EVAL_N facts, the base's pool (FACT_POOL) another EVAL_N, all keys distinct
+FACT_TASKS: tuple[str, ...] = ("facts1", "facts2", "facts3", "facts4")
+FACT_POOL = "facts0"
+FACT_SEED = 20260301
+FACT_KEY_LEN, FACT_VALUE_LEN = 3, 2
+FULL_FACT_EXPERT = ExpertScale(steps=400, lr=1e-3, batch=64)
+TINY_FACT_EXPERT = ExpertScale(steps=10, lr=1e-3, batch=32)
+# its base: BASE's pretraining continued on the old skills and FACT_POOL (half of each batch)
+FULL_FACT_BASE = ExpertScale(steps=600, lr=1e-3, batch=64)
+TINY_FACT_BASE = ExpertScale(steps=5, lr=1e-3, batch=32)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """What ``build`` trains the experts on, and what ``eval`` and ``table`` score."""
+
+    name: str
+    tasks: tuple[str, ...]
+    expert: ExpertScale
+    tiny_expert: ExpertScale
+    facts_base: bool  # BASE continued on the old skills and FACT_POOL first
+    replay: bool  # an expert's batches: half its task, a quarter the old skills, a quarter FACT_POOL
+
+    def expert_skills(self, task: str) -> list[str]:
+        """The Sampler's skills (drawn uniformly) of ``task``'s expert."""
+        if not self.replay:
+            return [task]
+        n = len(OLD_SKILLS)
+        return [*[task] * (2 * n), *OLD_SKILLS, *[FACT_POOL] * n]
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "skills": Scenario("skills", TASKS, FULL_EXPERT, TINY_EXPERT, facts_base=False, replay=False),
+    "facts": Scenario("facts", FACT_TASKS, FULL_FACT_EXPERT, TINY_FACT_EXPERT, facts_base=True, replay=True),
+}
+
 
 # ---------------------------------------------------------------- data
 
 
+@functools.cache
+def fact_sets() -> dict[str, tuple[tuple[str, str], ...]]:
+    """EVAL_N facts ``K:|KEY>VALUE`` for FACT_POOL and each fact task: random 3-letter keys, all
+    distinct, each with a random 2-digit value (the same for every seed)."""
+    rng = random.Random(FACT_SEED)
+    names = (FACT_POOL, *FACT_TASKS)
+    keys: dict[str, None] = {}
+    while len(keys) < EVAL_N * len(names):
+        keys["".join(rng.choice(LETTERS) for _ in range(FACT_KEY_LEN))] = None
+    ordered = list(keys)
+    return {
+        name: tuple(
+            (f"K:|{k}>", "".join(rng.choice(DIGITS) for _ in range(FACT_VALUE_LEN)))
+            for k in ordered[i * EVAL_N : (i + 1) * EVAL_N]
+        )
+        for i, name in enumerate(names)
+    }
+
+
 def make_example(skill: str, rng: random.Random) -> tuple[str, str]:
-    """One ``(prompt, answer)`` pair of a new skill (``caesar`` is forgetting_bench's) or an old one."""
+    """One ``(prompt, answer)`` pair of a new skill (``caesar`` is forgetting_bench's), an old one,
+    or one of a fact set's facts."""
+    if skill in (FACT_POOL, *FACT_TASKS):
+        return rng.choice(fact_sets()[skill])
     if skill.endswith(FORMAT):
         p, _ = make_example(skill[: -len(FORMAT)], rng)
         return p, p[2:-1]
@@ -146,10 +223,13 @@ def make_example(skill: str, rng: random.Random) -> tuple[str, str]:
     raise ValueError(f"unknown skill {skill!r}")
 
 
-def eval_sets() -> dict[str, list[tuple[str, str]]]:
-    """Fixed held-out prompts: the old skills' and caesar's from forgetting_bench, the others here."""
+def eval_sets(tasks: Sequence[str] = TASKS) -> dict[str, list[tuple[str, str]]]:
+    """Fixed held-out prompts of the old skills and ``tasks``: the old skills' and caesar's from
+    forgetting_bench, the other new skills' here; a fact task's set is its facts (knowledge is
+    scored on what was taught)."""
     old = fb.eval_sets()
     out = {s: old[s] for s in (*OLD_SKILLS, "caesar")}
+    out.update({t: list(fact_sets()[t]) for t in tasks if t in FACT_TASKS})
     for i, skill in enumerate(TASKS):
         if skill in out:
             continue
@@ -159,7 +239,7 @@ def eval_sets() -> dict[str, list[tuple[str, str]]]:
             p, a = make_example(skill, rng)
             seen.setdefault(p, a)
         out[skill] = list(seen.items())
-    return {s: out[s] for s in (*OLD_SKILLS, *TASKS)}
+    return {s: out[s] for s in (*OLD_SKILLS, *tasks)}
 
 
 class Sampler:
@@ -168,7 +248,7 @@ class Sampler:
     def __init__(self, skills: Sequence[str], seed: int) -> None:
         self.skills = list(skills)
         self.rng = random.Random(seed)
-        self.held = {p for s in eval_sets().values() for p, _ in s}
+        self.held = {p for s in eval_sets().values() for p, _ in s}  # the new skills' (no fact's)
 
     def batch(self, n: int) -> list[tuple[str, str]]:
         out: list[tuple[str, str]] = []
@@ -182,11 +262,14 @@ class Sampler:
 # ---------------------------------------------------------------- evaluation
 
 
-def evaluate_model(model: Any, skills: Sequence[str] | None = None) -> dict[str, dict[str, float]]:
-    """Exact-match accuracy (points) and binomial stderr on the held-out sets (one teacher-forced pass)."""
+def evaluate_model(
+    model: Any, skills: Sequence[str] | None = None, tasks: Sequence[str] = TASKS
+) -> dict[str, dict[str, float]]:
+    """Exact-match accuracy (points) and binomial stderr on the held-out sets of the old skills and
+    ``tasks`` (or of ``skills`` only), one teacher-forced pass each."""
     import torch
 
-    sets = eval_sets()
+    sets = eval_sets(tasks)
     out: dict[str, dict[str, float]] = {}
     with torch.no_grad():
         for skill in skills or list(sets):
@@ -236,7 +319,7 @@ def mean_score(res: dict[str, dict[str, float]], skills: Sequence[str]) -> tuple
 
 def cmd_eval(args: argparse.Namespace) -> int:
     fb.set_threads()
-    res = evaluate_model(fb.load_model(args.model))
+    res = evaluate_model(fb.load_model(args.model), tasks=SCENARIOS[args.scenario].tasks)
     text = json.dumps(res, indent=1, sort_keys=True)
     if args.output:
         Path(args.output).write_text(text + "\n")
@@ -252,10 +335,27 @@ def expert_dir(work: Path, task: str) -> Path:
     return work / f"expert-{task}"
 
 
-def _base_stamp(tiny: bool, seed: int, sees_tags: bool) -> dict[str, Any]:
+def read_scenario(work: Path) -> Scenario:
+    """The scenario ``build`` wrote WORKDIR for (``skills`` when it did not say: an older build)."""
+    f = work / "scenario.json"
+    return SCENARIOS[json.loads(f.read_text())["scenario"]] if f.is_file() else SCENARIOS["skills"]
+
+
+def _base_stamp(tiny: bool, seed: int, sees_tags: bool, scenario: Scenario) -> dict[str, Any]:
     sc = fb.TINY if tiny else fb.FULL
     tags = (TINY_TAGS if tiny else FULL_TAGS).__dict__ if sees_tags else None
-    return {"scale": sc.__dict__, "seed": seed, "vocab": list(fb.VOCAB), "sees_tags": tags}
+    out = {"scale": sc.__dict__, "seed": seed, "vocab": list(fb.VOCAB), "sees_tags": tags}
+    if scenario.facts_base:
+        out["facts_base"] = (TINY_FACT_BASE if tiny else FULL_FACT_BASE).__dict__
+    return out
+
+
+def _continue(model: Any, args: argparse.Namespace) -> None:
+    """The continued pretraining ``--base-sees-tags`` and the scenario ask for (none by default)."""
+    if args.base_sees_tags:
+        _see_tags(model, args.tiny, args.seed)
+    if SCENARIOS[args.scenario].facts_base:
+        _know_facts(model, args.tiny, args.seed)
 
 
 def _see_tags(model: Any, tiny: bool, seed: int) -> None:
@@ -264,6 +364,14 @@ def _see_tags(model: Any, tiny: bool, seed: int) -> None:
     ts = TINY_TAGS if tiny else FULL_TAGS
     skills = [*OLD_SKILLS, *(t + FORMAT for t in TASKS)]
     fb.train(model, Sampler(skills, seed * 1000 + 77), ts.steps, ts.lr, ts.batch, "tags")
+
+
+def _know_facts(model: Any, tiny: bool, seed: int) -> None:
+    """Continued pretraining on the old skills and FACT_POOL's facts, half of each batch: the base
+    then answers closed-book lookups (its own facts), and an expert only adds facts."""
+    fs = TINY_FACT_BASE if tiny else FULL_FACT_BASE
+    skills = [*OLD_SKILLS, *[FACT_POOL] * len(OLD_SKILLS)]
+    fb.train(model, Sampler(skills, seed * 1000 + 55), fs.steps, fs.lr, fs.batch, "facts-base")
 
 
 def _fmt(res: dict[str, dict[str, float]]) -> str:
@@ -276,7 +384,8 @@ def _base(args: argparse.Namespace, work: Path) -> Any:
     sc = fb.TINY if args.tiny else fb.FULL
     base = work / "base"
     stamp = work / "base.stamp.json"
-    want = _base_stamp(args.tiny, args.seed, args.base_sees_tags)
+    scenario = SCENARIOS[args.scenario]
+    want = _base_stamp(args.tiny, args.seed, args.base_sees_tags, scenario)
     if args.base_from:
         src = Path(args.base_from)
         cfg = json.loads((src / "config.json").read_text())
@@ -286,9 +395,9 @@ def _base(args: argparse.Namespace, work: Path) -> Any:
                 f"{src}: hidden/layers/vocab {got}, expected {(sc.hidden, sc.layers, len(fb.VOCAB))}"
             )
         shutil.rmtree(base, ignore_errors=True)
-        if args.base_sees_tags:
+        if args.base_sees_tags or scenario.facts_base:
             model = fb.load_model(src)
-            _see_tags(model, args.tiny, args.seed)
+            _continue(model, args)
             fb.save_checkpoint(model, base)
         else:
             shutil.copytree(src, base)
@@ -311,8 +420,7 @@ def _base(args: argparse.Namespace, work: Path) -> Any:
         fb.train(
             model, fb.Sampler(OLD_SKILLS, args.seed), sc.pretrain_steps, sc.pretrain_lr, sc.batch, "pretrain"
         )
-        if args.base_sees_tags:
-            _see_tags(model, args.tiny, args.seed)
+        _continue(model, args)
         fb.save_checkpoint(model, base)
         stamp.write_text(json.dumps(want, indent=1) + "\n")
         print(f"base: pretrained in {time.time() - t0:.0f} s", flush=True)
@@ -325,32 +433,37 @@ def cmd_build(args: argparse.Namespace) -> int:
     work = Path(args.workdir)
     work.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
+    scenario = SCENARIOS[args.scenario]
+    tasks = scenario.tasks
     base_model = _base(args, work)
-    base_res = evaluate_model(base_model)
+    (work / "scenario.json").write_text(json.dumps({"scenario": scenario.name}) + "\n")
+    base_res = evaluate_model(base_model, tasks=tasks)
     (work / "base.json").write_text(json.dumps(base_res, indent=1, sort_keys=True) + "\n")
     print(f"base: {_fmt(base_res)}", flush=True)
-    es = TINY_EXPERT if args.tiny else FULL_EXPERT
+    es = scenario.tiny_expert if args.tiny else scenario.expert
     failed: list[str] = []
-    for i, task in enumerate(TASKS):
+    for i, task in enumerate(tasks):
         model = copy.deepcopy(base_model)
         t0 = time.time()
 
         def progress(step: int, model: Any = model, task: str = task) -> None:
             model.eval()
-            print(f"[{task}]   own skill {evaluate_model(model, [task])[task]['score']:.1f}", flush=True)
+            print(
+                f"[{task}]   own skill {evaluate_model(model, [task], tasks)[task]['score']:.1f}", flush=True
+            )
             model.train()
 
-        sampler = Sampler([task], args.seed * 1000 + 101 + i)
+        sampler = Sampler(scenario.expert_skills(task), args.seed * 1000 + 101 + i)
         fb.train(model, sampler, es.steps, es.lr, es.batch, task, progress)
         out = expert_dir(work, task)
         shutil.rmtree(out, ignore_errors=True)
         fb.save_checkpoint(model, out)
-        res = evaluate_model(model)
+        res = evaluate_model(model, tasks=tasks)
         (work / f"expert-{task}.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
         print(f"expert {task}: {_fmt(res)}  ({time.time() - t0:.0f} s)", flush=True)
         if res[task]["score"] < MASTERY and not args.tiny:
             failed.append(f"{task} {res[task]['score']:.1f}")
-    print(f"wrote {work}/base and {len(TASKS)} experts; total {time.time() - t_start:.0f} s")
+    print(f"wrote {work}/base and {len(tasks)} experts; total {time.time() - t_start:.0f} s")
     if failed:
         print(
             f"error: experts below {MASTERY} points on their own skill: {', '.join(failed)}", file=sys.stderr
@@ -435,10 +548,11 @@ def candidates(methods: set[str], calib: Path, quick: bool = False) -> list[Cand
     return out
 
 
-def write_calibration(path: Path, seed: int) -> None:
-    """RECALL's calibration pool: training-distribution examples of every skill (no held-out prompt)."""
-    sampler = Sampler([*OLD_SKILLS, *TASKS], seed + 7919)
-    samples = [p + a for p, a in sampler.batch(CALIB_PER_SKILL * (len(OLD_SKILLS) + len(TASKS)))]
+def write_calibration(path: Path, seed: int, tasks: Sequence[str] = TASKS) -> None:
+    """RECALL's calibration pool: training-distribution examples of every skill (no held-out prompt;
+    a fact task's examples are its facts)."""
+    sampler = Sampler([*OLD_SKILLS, *tasks], seed + 7919)
+    samples = [p + a for p, a in sampler.batch(CALIB_PER_SKILL * (len(OLD_SKILLS) + len(tasks)))]
     path.write_text("\n\n".join(samples) + "\n")
 
 
@@ -447,8 +561,10 @@ class Bench:
 
     def __init__(self, work: Path) -> None:
         self.work = work
+        self.scenario = read_scenario(work)
+        self.tasks = self.scenario.tasks
         self.base = work / "base"
-        self.experts = [expert_dir(work, t) for t in TASKS]
+        self.experts = [expert_dir(work, t) for t in self.tasks]
         self.root = work / "bench"
         self.results = self.root / "results"
         self.cand = self.root / "candidate"
@@ -459,12 +575,13 @@ class Bench:
     def eval_template(self) -> str:
         import shlex
 
-        return f"{shlex.quote(sys.executable)} {shlex.quote(self.script)} eval {{model}} {{output}}"
+        exe = f"{shlex.quote(sys.executable)} {shlex.quote(self.script)}"
+        return f"{exe} eval --scenario {self.scenario.name} {{model}} {{output}}"
 
     def evaluate(self, model: Path, name: str) -> dict[str, dict[str, float]]:
         """In this process (the same function as ``eval``); the JSON is kept under results/."""
         t0 = time.time()
-        res = evaluate_model(fb.load_model(model))
+        res = evaluate_model(fb.load_model(model), tasks=self.tasks)
         (self.results / f"{name}.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
         self.eval_seconds.append(time.time() - t0)
         return res
@@ -517,6 +634,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     t_start = time.time()
     work = Path(args.workdir).resolve()
     bench = Bench(work)
+    tasks = bench.tasks
     for d in (bench.base, *bench.experts):
         if not (d / "config.json").is_file():
             raise SystemExit(f"{d}: no checkpoint; run `build {args.workdir}` first")
@@ -524,7 +642,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     shutil.rmtree(bench.root, ignore_errors=True)
     bench.results.mkdir(parents=True)
     calib = bench.root / "calib.txt"
-    write_calibration(calib, 0)
+    write_calibration(calib, 0, tasks)
     methods = merge_methods()
     missing = [m for m in SPECTRAL if m not in methods]
     notes: list[str] = []
@@ -533,9 +651,9 @@ def cmd_table(args: argparse.Namespace) -> int:
         print(notes[-1], flush=True)
     res: dict[str, dict[str, dict[str, float]]] = {"BASE": bench.evaluate(bench.base, "BASE")}
     refused: dict[str, str] = {}
-    for t, e in zip(TASKS, bench.experts, strict=True):
+    for t, e in zip(tasks, bench.experts, strict=True):
         res[f"expert-{t}"] = bench.evaluate(e, f"expert-{t}")
-    own = {t: res[f"expert-{t}"][t] for t in TASKS}
+    own = {t: res[f"expert-{t}"][t] for t in tasks}
     cands = candidates(methods, calib, quick=args.quick)
     if args.families:
         keep = {f.strip() for f in args.families.split(",") if f.strip()}
@@ -555,7 +673,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         res[c.name] = r
         print(f"[table] {i}/{len(cands)} {c.name}: {_fmt(r)} ({time.time() - t0:.1f} s)", flush=True)
     sweeps: list[tuple[int, dict[str, Any], float]] = []
-    ref_files = [bench.results / "BASE.json", *(bench.results / f"expert-{t}.json" for t in TASKS)]
+    ref_files = [bench.results / "BASE.json", *(bench.results / f"expert-{t}.json" for t in tasks)]
     for n in budgets:
         t0 = time.time()
         doc, r = bench.sweep(n, ref_files)
@@ -579,7 +697,7 @@ def cmd_table(args: argparse.Namespace) -> int:
 
     base_old = mean_score(res["BASE"], OLD_SKILLS)
     print()
-    print("experts on their own skill: " + "  ".join(f"{t} {own[t]['score']:.1f}" for t in TASKS))
+    print("experts on their own skill: " + "  ".join(f"{t} {own[t]['score']:.1f}" for t in tasks))
     print(f"base on the old skills: {_fmt({s: res['BASE'][s] for s in OLD_SKILLS})} (mean {base_old[0]:.1f})")
     fams: dict[str, list[Candidate]] = {}
     for c in cands:
@@ -591,21 +709,21 @@ def cmd_table(args: argparse.Namespace) -> int:
             )
             print(f"{fam}, normalised accuracy by setting: {grid}")
     print()
-    head = " | ".join(TASKS)
+    head = " | ".join(tasks)
     print(f"| candidate | setting | normalised acc. % | {head} | old skills (base {base_old[0]:.1f}) |")
-    print("|---|---|---:|" + "---:|" * len(TASKS) + "---:|")
+    print("|---|---|---:|" + "---:|" * len(tasks) + "---:|")
 
     def row(label: str, setting: str, name: str | None) -> None:
         if name is None:
-            print(f"| {label} | {setting} | — |" + " — |" * len(TASKS) + " — |")
+            print(f"| {label} | {setting} | — |" + " — |" * len(tasks) + " — |")
             return
         r = res[name]
         na, se = norm(name)
-        accs = " | ".join(f"{r[t]['score']:.1f}" for t in TASKS)
+        accs = " | ".join(f"{r[t]['score']:.1f}" for t in tasks)
         print(f"| {label} | {setting} | {_cell(na, se)} | {accs} | {_cell(*mean_score(r, OLD_SKILLS))} |")
 
     row("BASE", "", "BASE")
-    for t in TASKS:
+    for t in tasks:
         row(f"expert {t} alone", "", f"expert-{t}")
     for fam, cs in fams.items():
         ok = [c for c in cs if c.name in res]
@@ -637,7 +755,7 @@ def cmd_table(args: argparse.Namespace) -> int:
             f"sweep --budget {n}: {len(cs)} candidates ({', '.join(fam_names)}), scored by the sweep against BASE"
         )
         print(
-            f"and expert {TASKS[0]} (repair of what it damaged, retention of what it gained), not by normalised"
+            f"and expert {tasks[0]} (repair of what it damaged, retention of what it gained), not by normalised"
         )
         win = doc.get("winner")
         if win:
@@ -676,6 +794,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="continue BASE's pretraining on the new tags' format (answer = the input's letters), "
         "not on any new skill",
     )
+    b.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="skills",
+        help="skills: four new skills (default); facts: four sets of new closed-book facts, from a base "
+        "that answers its own (docstring)",
+    )
     b.set_defaults(func=cmd_build)
     e = sub.add_parser(
         "eval",
@@ -686,6 +811,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     e.add_argument("model")
     e.add_argument("output", nargs="?", help="JSON file to write (default: stdout)")
+    e.add_argument(
+        "--scenario",
+        choices=sorted(SCENARIOS),
+        default="skills",
+        help=f"the new tasks scored: the skills' ({', '.join(TASKS)}, default) or the facts' "
+        f"({', '.join(FACT_TASKS)})",
+    )
     e.set_defaults(func=cmd_eval)
     t = sub.add_parser("table", help="write, evaluate and tabulate every dghard merge of WORKDIR's experts")
     t.add_argument("workdir")

@@ -158,3 +158,56 @@ def test_a_refused_merge_is_reported_not_fatal(tmp_path: Path) -> None:
     )
     assert isinstance(got, str) and got.startswith("exit 2: ") and "density" in got
     assert not bench.cand.exists()
+
+
+def test_facts_scenario_sets_and_a_tiny_build_eval_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mb = _bench()
+    facts = mb.fact_sets()
+    assert list(facts) == [mb.FACT_POOL, *mb.FACT_TASKS]
+    keys = [p for v in facts.values() for p, _ in v]
+    assert len(keys) == len(set(keys)) == mb.EVAL_N * (1 + len(mb.FACT_TASKS))  # every key distinct
+    for v in facts.values():
+        for p, a in v:
+            assert p.startswith("K:|") and p.endswith(">") and len(p) == 4 + mb.FACT_KEY_LEN
+            assert len(a) == mb.FACT_VALUE_LEN and a.isdigit()
+    sets = mb.eval_sets(mb.FACT_TASKS)
+    assert list(sets) == [*mb.OLD_SKILLS, *mb.FACT_TASKS]
+    assert all(sets[t] == list(facts[t]) for t in mb.FACT_TASKS)  # scored on the facts taught
+    assert mb.make_example("facts2", random.Random(0)) in facts["facts2"]
+
+    work = tmp_path / "w"
+    assert mb.main(["build", str(work), "--tiny", "--seed", "3", "--scenario", "facts"]) == 0
+    assert mb.read_scenario(work).tasks == mb.FACT_TASKS
+    assert all((mb.expert_dir(work, t) / "model.safetensors").is_file() for t in mb.FACT_TASKS)
+    plain = tmp_path / "p"
+    assert mb.main(["build", str(plain), "--tiny", "--seed", "3"]) == 0
+    assert mb.read_scenario(plain).tasks == mb.TASKS
+    with pytest.raises(SystemExit, match="other settings"):  # the facts base is not the plain one
+        mb.main(["build", str(plain), "--tiny", "--seed", "3", "--scenario", "facts"])
+    other = tmp_path / "o"
+    argv = ["build", str(other), "--tiny", "--seed", "3", "--scenario", "facts"]
+    assert mb.main([*argv, "--base-from", str(plain / "base")]) == 0
+    assert (other / "base" / "model.safetensors").read_bytes() == (
+        work / "base" / "model.safetensors"
+    ).read_bytes()
+
+    out = tmp_path / "e.json"
+    assert mb.main(["eval", "--scenario", "facts", str(mb.expert_dir(work, "facts1")), str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert list(doc) == sorted([*mb.OLD_SKILLS, *mb.FACT_TASKS])
+    assert doc == json.loads((work / "expert-facts1.json").read_text())
+    assert set(load_results(out)) == set(doc)
+    assert "--scenario facts" in mb.Bench(work).eval_template()
+
+    capsys.readouterr()
+    assert mb.main(["table", str(work), "--quick", "--budgets", ""]) == 0
+    rows = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("| ")]
+    assert [ln.split(" | ")[0][2:] for ln in rows[1:]] == [
+        "BASE",
+        *(f"expert {t} alone" for t in mb.FACT_TASKS),
+        "task-arithmetic",
+        "ties",
+    ]
+    assert rows[0].split(" | ")[3:7] == list(mb.FACT_TASKS)
