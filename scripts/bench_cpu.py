@@ -98,7 +98,8 @@ def qwen05b(layers: int):
     )
 
 
-def generate(work: Path, layers: int) -> tuple[Path, Path, Path]:
+def generate(work: Path, layers: int, fine_tunes: int = 2) -> tuple[Path, ...]:
+    """BASE and ``fine_tunes`` fine-tunes of it (``ft``, ``ft2``, ``ft3``, ...: delta seeds 0, 1, 2, ...)."""
     from dghard_cli.testing.synthetic import DeltaModel, make_pair
 
     cfg = qwen05b(layers)
@@ -107,14 +108,19 @@ def generate(work: Path, layers: int) -> tuple[Path, Path, Path]:
     if not (ft / "model.safetensors.index.json").exists():
         print(f"generating a Qwen2.5-0.5B-shaped pair ({layers} layers) in {work} ...", flush=True)
         make_pair(work, cfg, dtype="bfloat16", base_shards=2, ft_shards=2, seed=0, delta=dm)
-    ft2 = work / "ft2"
-    if not (ft2 / "model.safetensors.index.json").exists():
-        tmp = work / "second"
-        make_pair(tmp, cfg, dtype="bfloat16", base_shards=1, ft_shards=2, seed=0, delta=dm, delta_seed=1)
-        shutil.rmtree(ft2, ignore_errors=True)
-        (tmp / "ft").rename(ft2)
-        shutil.rmtree(tmp)
-    return base, ft, ft2
+    fts = [ft]
+    for i in range(2, fine_tunes + 1):
+        fti = work / f"ft{i}"
+        if not (fti / "model.safetensors.index.json").exists():
+            tmp = work / "second"
+            make_pair(
+                tmp, cfg, dtype="bfloat16", base_shards=1, ft_shards=2, seed=0, delta=dm, delta_seed=i - 1
+            )
+            shutil.rmtree(fti, ignore_errors=True)
+            (tmp / "ft").rename(fti)
+            shutil.rmtree(tmp)
+        fts.append(fti)
+    return (base, *fts)
 
 
 # -- measuring ------------------------------------------------------------------------------
