@@ -613,7 +613,8 @@ class Bench:
         argv = ["sweep", str(self.base), str(self.experts[0]), str(out)]
         for e in self.experts[1:]:
             argv += ["--merge-ft", str(e)]
-        argv += ["--eval", self.eval_template(), "--budget", str(budget), "--json"]
+        # the evaluation writes points, and an expert's score on another's task can be below one
+        argv += ["--eval", self.eval_template(), "--budget", str(budget), "--units", "points", "--json"]
         argv += ["--base-results", str(ref_files[0])]
         for f in ref_files[1:]:
             argv += ["--ft-results", str(f)]

@@ -500,3 +500,22 @@ def test_keep_candidates_keeps_every_loser_when_the_winner_is_decided_late(pair,
     assert kept == losers
     assert doc["winner"]["rewritten_at_end"] is False
     assert not list((tmp_path / "out" / "candidates").glob("*.key"))
+
+
+@pytest.mark.parametrize("units, base_task", [("auto", 50.0), ("points", 0.5)])
+def test_units_tells_the_sweep_how_to_read_scores_below_one_point(pair, tmp_path, units, base_task):
+    """Under --units auto a benchmark whose scores all lie in [0, 1] is read as fractions: points
+    below one (an expert on another expert's facts, in the knowledge merge benchmark) became up
+    to 100; the sweep had no way to say otherwise and now takes --units as score does."""
+    b, f = tmp_path / "b.json", tmp_path / "f.json"
+    b.write_text(json.dumps({"task": 0.5, "general": 70.0}))
+    f.write_text(json.dumps({"task": 0.9, "general": 40.0}))  # points: both below one point
+    ev = f'{shlex.quote(sys.executable)} -c \'import json,sys; open(sys.argv[2],"w").write(json.dumps({{"task": 0.6, "general": 60.0}}))\' {{model}} {{output}}'
+    res = run_dghard(
+        "sweep", pair.base, pair.ft, tmp_path / "out", "--eval", ev, "--candidates", pair.candidates,
+        "--base-results", b, "--ft-results", f, "--budget", "1", "--units", units, "--json",
+    )  # fmt: skip
+    assert res.returncode in (0, 1), res.stderr
+    doc = json.loads(res.stdout)
+    task = next(x for x in doc["benchmarks"] if x["name"] == "task")
+    assert task["base"] == pytest.approx(base_task)

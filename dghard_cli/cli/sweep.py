@@ -137,6 +137,16 @@ def sweep_cmd(
         Optional[list[str]],
         typer.Option(help="lm-eval metric for every task (acc, acc_norm, ...) or TASK=NAME; repeatable."),
     ] = None,
+    units: Annotated[
+        str,
+        typer.Option(
+            "--units",
+            metavar="auto|fraction|points",
+            help="How results are read: auto (per benchmark: a value in [0, 1] is a fraction), fraction "
+            "or points (give points when a score below 1 point is possible, e.g. a merge that keeps "
+            "little of an expert's skill).",
+        ),
+    ] = "auto",
     tie_tolerance: Annotated[
         float,
         typer.Option(
@@ -242,6 +252,7 @@ def sweep_cmd(
             fail_under=fail_under,
             margin=margin,
             metric=metric,
+            units=units,
             tie_tolerance=tie_tolerance,
             device=device,
             overwrite=overwrite,

@@ -104,6 +104,7 @@ class SweepOptions:
     fail_under: float | None = None
     margin: float | None = None
     metric: list[str] | None = None
+    units: str = "auto"  # auto | fraction | points: how every results file's numbers are read
     tie_tolerance: float = 0.0
     device: str = "auto"
     overwrite: bool = False
@@ -191,6 +192,10 @@ class _Sweep(EvaluationSteps, SweepReport):
         for p in [o.base_results, *o.ft_results]:
             if p is not None and not Path(p).expanduser().exists():
                 raise InputError(f"results {p}: no such file or directory")
+        from dghard_cli.score.results import SCALES
+
+        if o.units not in SCALES:
+            raise InputError(f"--units {o.units!r} is not one of {', '.join(SCALES)}")
         for r in o.refine:
             if r != "groups":
                 raise InputError(f"--refine {r!r} is not one of: groups")
@@ -303,7 +308,7 @@ class _Sweep(EvaluationSteps, SweepReport):
             targets=self.opts.targets,
             margin=self.opts.margin,
             targets_in_retention=len(self.ft_rfs) > 1,
-            units_option=None,  # the sweep reads every results file under --units auto
+            units_option="--units",  # the sweep's own option forces a unit
         )
         by_name = {c["name"]: c for c in doc["candidates"]}
         self.score_doc = doc

@@ -270,7 +270,11 @@ class EvaluationSteps:
         what = self._ref_name(label, ck)
         if given is not None:
             rf = read_results(
-                given, metric=self.rule, fixed=fixed, label=f"--{'base' if label == 'base' else 'ft'}-results"
+                given,
+                metric=self.rule,
+                fixed=fixed,
+                scale=self.opts.units,
+                label=f"--{'base' if label == 'base' else 'ft'}-results",
             )
             self.refs[label] = {"name": what, "source": "given", "path": str(given), "status": "ok"}
             self.emit(kind="reference", name=what, source="given", path=str(given))
@@ -300,7 +304,11 @@ class EvaluationSteps:
                 hint="fix the --eval command (try it by hand on BASE)",
             )
         rf = read_results(
-            self.cache.results_path(rec), metric=self.rule, fixed=fixed, label=f"{what} results"
+            self.cache.results_path(rec),
+            metric=self.rule,
+            fixed=fixed,
+            scale=self.opts.units,
+            label=f"{what} results",
         )
         self.emit(
             kind="reference",
@@ -474,6 +482,7 @@ class EvaluationSteps:
                     self.cache.results_path(rec),
                     metric=self.rule,
                     fixed=self.base_rf.metrics,
+                    scale=self.opts.units,
                     label=f"results of {name}",
                 )
                 self._check_complete(self.rf[key])
