@@ -125,6 +125,8 @@ def test_a_sweep_evaluated_by_lm_eval_reads_its_scores_and_writes_the_winner(mod
         "3",
         "--margin",
         "1",
+        "--jobs",  # BASE and FT evaluated at once: lm-eval's start-up is most of this test's time
+        "2",
         "--json",
     )
     assert r.returncode == 0, r.stderr
