@@ -21,6 +21,8 @@ import re
 from dghard_cli.errors import InputError
 from dghard_cli.sweep.command import Template
 
+#: The most evaluations at a time (``--jobs``): a bound on what the sweep sizes from the option.
+MAX_JOBS = 4096
 #: Executors ``--executor`` accepts.
 EXECUTORS = ("local", "ray")
 _UUID = re.compile(r"^(GPU|MIG)-[0-9A-Za-z./-]+$")
@@ -82,8 +84,17 @@ def plan_execution(opts) -> tuple[int, list[str]]:  # noqa: ANN001 - SweepOption
         raise InputError(f"--executor {opts.executor!r} is not one of: {', '.join(EXECUTORS)}")
     devices = parse_devices(opts.devices)
     jobs = opts.jobs
-    if jobs is not None and (isinstance(jobs, bool) or not isinstance(jobs, int) or jobs < 1):
-        raise InputError(f"--jobs must be a whole number >= 1 (evaluations at a time), got {jobs!r}")
+    if jobs is not None and (
+        isinstance(jobs, bool) or not isinstance(jobs, int) or not 1 <= jobs <= MAX_JOBS
+    ):
+        shown = (
+            jobs
+            if not isinstance(jobs, int) or abs(jobs) < 10**15
+            else f"a {len(str(abs(jobs)))}-digit number"
+        )
+        raise InputError(
+            f"--jobs must be a whole number from 1 to {MAX_JOBS} (evaluations at a time), got {shown}"
+        )
     if opts.executor == "ray":
         if devices:
             raise InputError(

@@ -128,8 +128,8 @@ def _merge_adapter(base: str, adapter: str, target: Path, device: str) -> Path:
     return target.resolve()
 
 
-def written_info(target: Path, key: str, stage: Path | None = None) -> dict | None:
-    """The record of a candidate written into ``target`` for ``key`` (None if there is none)."""
+def key_record(target: Path, stage: Path | None = None) -> dict | None:
+    """The record in ``target``'s key file (``TARGET.key``, written after the candidate), or None."""
     from dghard_cli.io.files import read_json, realpath
 
     try:
@@ -140,7 +140,13 @@ def written_info(target: Path, key: str, stage: Path | None = None) -> dict | No
         )
     except InputError:
         return None
-    return info if isinstance(info, dict) and info.get("key") == key and target.is_dir() else None
+    return info if isinstance(info, dict) else None
+
+
+def written_info(target: Path, key: str, stage: Path | None = None) -> dict | None:
+    """The record of a candidate written into ``target`` for ``key`` (None if there is none)."""
+    info = key_record(target, stage)
+    return info if info is not None and info.get("key") == key and target.is_dir() else None
 
 
 def prepare(job: Job) -> dict:

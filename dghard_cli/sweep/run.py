@@ -411,7 +411,7 @@ class _Sweep(EvaluationSteps, SweepReport):
                 # what stage/winner holds lost after all (several at a time, a tie tolerance or
                 # the units of later results can reorder the winner): kept, or deleted
                 if kept is None:
-                    self.drop(wdir, self.stage / "winner.key")
+                    self.drop(wdir)
                 else:  # the winner itself, changed by the evaluation: never kept
                     shutil.rmtree(wdir, ignore_errors=True)
                 if not self.from_kept(winner["key"], wdir):

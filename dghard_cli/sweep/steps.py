@@ -49,6 +49,7 @@ from dghard_cli.sweep.jobs import (
     CandidateWrite,
     Job,
     JobResult,
+    key_record,
     prepare,
     prepare_candidate,
     prepare_failure,
@@ -513,18 +514,19 @@ class EvaluationSteps:
         winner, _ = choose_winner(self.rows, self.bar, self.opts.tie_tolerance)
         if winner is not None and winner["key"] == key:
             wdir = self.stage / "winner"
-            self.drop(wdir, self.stage / "winner.key")
+            self.drop(wdir)
             os.replace(cdir, wdir)
             os.replace(jdir / f"{CANDIDATE_DIR}.key", self.stage / "winner.key")
         else:
-            self.drop(cdir, jdir / f"{CANDIDATE_DIR}.key")
+            self.drop(cdir)
         shutil.rmtree(jdir, ignore_errors=True)
 
-    def drop(self, cdir: Path, keyfile: Path) -> None:
-        """Delete a candidate that lost (``keep_candidates``: move it, with its key file, to
-        ``<stage>/kept/NNN-name``)."""
+    def drop(self, cdir: Path) -> None:
+        """Delete a candidate that lost, and its key file ``CDIR.key`` (``keep_candidates``: move
+        both to ``<stage>/kept/NNN-name``)."""
+        keyfile = cdir.parent / f"{cdir.name}.key"
         if self.opts.keep_candidates and cdir.is_dir():
-            key = self._key_of(keyfile) if keyfile.exists() else ""
+            key = str((key_record(cdir, self.stage) or {}).get("key", ""))
             row = next((r for r in self.rows if key and r["key"] == key), None)
             if row is not None:
                 kept = self.stage / "kept" / f"{row['order']:03d}-{_slug(row['name'])}"
@@ -549,15 +551,6 @@ class EvaluationSteps:
                 os.replace(keyfile, target.parent / f"{target.name}.key")
                 return True
         return False
-
-    def _key_of(self, keyfile: Path) -> str:
-        from dghard_cli.io.files import read_json, realpath
-
-        try:
-            info = read_json(keyfile, what="key file", roots=(realpath(self.stage),))
-        except InputError:
-            return ""
-        return str(info.get("key", "")) if isinstance(info, dict) else ""
 
     def progress(self) -> dict:
         """Counts and an ETA for progress displays: done, running, queued, best so far."""
