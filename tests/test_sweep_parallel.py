@@ -238,7 +238,8 @@ def test_keep_candidates_keeps_every_loser_in_out(pair, tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--jobs", "0"], "--jobs must be a whole number >= 1"),
+        (["--jobs", "0"], "--jobs must be a whole number from 1 to 4096"),
+        (["--jobs", "9" * 400], "got a 400-digit number"),  # never sized: list(range(10**400))
         (["--devices", "0"], "device 0 does not exist: this machine shows no CUDA device"),
         (["--devices", "0,0"], "device 0 is given twice"),
         (["--devices", "cuda0"], "is not a device index"),
