@@ -9,7 +9,18 @@ from typing import Annotated, Optional
 import typer
 from rich.console import Console
 
-from dghard_cli.cli.common import DeviceOpt, JsonOpt, QuietOpt, VerboseOpt, app, check_failed, emit, run_cli
+from dghard_cli.cli.common import (
+    DTYPE_CHOICES,
+    DeviceOpt,
+    JsonOpt,
+    QuietOpt,
+    VerboseOpt,
+    app,
+    check_failed,
+    choices,
+    emit,
+    run_cli,
+)
 from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 
 SWEEP_EPILOG = """
@@ -215,6 +226,14 @@ def sweep_cmd(
         ),
     ] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    dtype: Annotated[
+        Optional[str],
+        typer.Option(
+            metavar=choices(DTYPE_CHOICES),
+            help="Output dtype of every candidate's floating tensors, as --dtype of repair and merge "
+            "(default: FT's); the printed command repeats it.",
+        ),
+    ] = None,
     device: DeviceOpt = "auto",
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
@@ -255,6 +274,7 @@ def sweep_cmd(
             units=units,
             tie_tolerance=tie_tolerance,
             device=device,
+            dtype=dtype,
             overwrite=overwrite,
             refine=_split(refine),
             jobs=jobs,

@@ -88,6 +88,12 @@ def parse_dtype_option(value: str) -> str:
     raise InputError(f"--dtype {value!r} is not one of bf16, fp16, fp32, fp64")
 
 
+def dtype_flag(dtype: str) -> str:
+    """The ``--dtype`` spelling of a safetensors dtype name (BF16 -> bf16, F32 -> fp32), the
+    inverse of :func:`parse_dtype_option`."""
+    return next((k for k in ("bf16", "fp16", "fp32", "fp64") if DTYPE_ALIASES[k] == dtype), dtype)
+
+
 @dataclass(frozen=True)
 class HeaderEntry:
     """One tensor as a header describes it; offsets are relative to the data buffer."""

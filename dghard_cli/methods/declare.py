@@ -96,6 +96,9 @@ class MergeMethod:
     check_weights: Callable[[str, list[float]], None] | None = None  # more rules on --weights
     sweep_axes: tuple[str, ...] = ()  # parameters a sweep family may sweep (first: default); () = none
     sweep_fixed: tuple[str, ...] = ()  # parameters a sweep family may fix
+    #: this method's own sweep ranges of shared axes (tsv's α, a scale >= 0: (0, 3)), over
+    #: ``Param.sweep_range`` (WiSE-FT's α, a weight in [0, 1])
+    sweep_ranges: Mapping[str, tuple[float, float]] = field(default_factory=dict, hash=False)
     calibrates: bool = False  # runs models before merging (RECALL): OUT is checked first
     #: this method's own defaults of shared parameters (breadcrumbs: density 0.9), over ``Param.default``
     defaults: Mapping[str, Any] = field(default_factory=dict, hash=False)
@@ -106,6 +109,10 @@ class MergeMethod:
     @property
     def all_params(self) -> tuple[str, ...]:
         return self.params + tuple(p.name for p in COMMON)
+
+    def sweep_range(self, param: Param) -> tuple[float, float] | None:
+        """The default refinement range of ``param`` as this method's sweep axis."""
+        return self.sweep_ranges.get(param.name, param.sweep_range)
 
 
 def finite(name: str, value: object) -> float:

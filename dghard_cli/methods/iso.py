@@ -60,6 +60,7 @@ from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import finite
 from dghard_cli.methods.registry import NUMBER, BuildContext, MergeMethod, Param
 from dghard_cli.methods.subspace import (
+    ALPHA_SWEEP_RANGE,
     Result,
     SubspaceMergeOp,
     TallBlocks,
@@ -213,15 +214,27 @@ PARAMS = (
         default=COMMON_FRACTION,
         check=_check_fraction,
         flag="--common-space-fraction",
+        sweep_range=(0.0, 1.0),
     ),
 )
 MERGE_METHODS = (
-    MergeMethod("iso-c", ("alpha",), _op("iso-c"), summary=_summary("iso-c"), defaults={"alpha": 1.0}),
+    MergeMethod(
+        "iso-c",
+        ("alpha",),
+        _op("iso-c"),
+        summary=_summary("iso-c"),
+        defaults={"alpha": 1.0},
+        sweep_axes=("alpha",),
+        sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
+    ),
     MergeMethod(
         "iso-cts",
         ("alpha", "common_space_fraction"),
         _op("iso-cts"),
         summary=_summary("iso-cts"),
         defaults={"alpha": 1.0},
+        sweep_axes=("alpha", "common_space_fraction"),
+        sweep_fixed=("alpha", "common_space_fraction"),
+        sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
     ),
 )

@@ -58,6 +58,9 @@ EPS64 = 2.0**-52  # float64 machine epsilon (np.finfo(np.float64).eps)
 FINEST = 2.0**-24
 #: Safety factor over the predicted largest singular value of a computed adapter's rounding.
 NOISE_EDGE = 4.0
+#: The default sweep range of the subspace merges' α (a scale of the merged update, >= 0): both
+#: papers validate it around 1 (the knowledge merge benchmark's best is 1.4), so up to 3.
+ALPHA_SWEEP_RANGE = (0.0, 3.0)
 
 
 # -- pure linear algebra --------------------------------------------------------------------------

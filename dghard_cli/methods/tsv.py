@@ -50,6 +50,7 @@ import torch
 from dghard_cli.errors import InputError
 from dghard_cli.methods.registry import INT, BuildContext, MergeMethod, Param
 from dghard_cli.methods.subspace import (
+    ALPHA_SWEEP_RANGE,
     Result,
     SubspaceMergeOp,
     TallBlocks,
@@ -142,5 +143,14 @@ PARAMS = (
     ),
 )
 MERGE_METHODS = (
-    MergeMethod("tsv", ("alpha", "tsv_rank"), _tsv_op, summary=_summary, defaults={"alpha": 1.0}),
+    MergeMethod(
+        "tsv",
+        ("alpha", "tsv_rank"),
+        _tsv_op,
+        summary=_summary,
+        defaults={"alpha": 1.0},
+        sweep_axes=("alpha",),
+        sweep_fixed=("tsv_rank",),
+        sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
+    ),
 )

@@ -106,7 +106,7 @@ def _merge_kind(m: registry.MergeMethod) -> FamilyKind:
         "merge",
         m.sweep_axes,
         m.sweep_fixed,
-        {a: par[a].sweep_range for a in m.sweep_axes},  # type: ignore[misc]
+        {a: m.sweep_range(par[a]) for a in m.sweep_axes},  # type: ignore[misc]
         frozenset(a for a in m.sweep_axes if par[a].sweep_log),
         m.fine_tunes,
         "one" if m.fine_tunes == "one" else "several",

@@ -14,9 +14,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from dghard_cli.engine.plan import PolicyOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
+from dghard_cli.io.safetensors_format import dtype_flag
 from dghard_cli.lora.output import LoraOutputOptions, linear_coefficients
 from dghard_cli.lora.route_exact import dora_blocker, uses_dora
 from dghard_cli.lora.source import is_adapter
@@ -97,15 +99,25 @@ def writes_adapter(cand: Candidate, fts: list[Checkpoint]) -> bool:
 
 
 def reproduce_argv(
-    cand: Candidate, base: str, fts: list[str], out: str, device: str, *, merge_adapters: bool = False
+    cand: Candidate,
+    base: str,
+    fts: list[str],
+    out: str,
+    device: str,
+    *,
+    merge_adapters: bool = False,
+    dtype: str | None = None,
 ) -> list[str]:
     """The one ``dghard repair``/``dghard merge`` command line that writes this candidate
-    (``merge_adapters``: written as the full merged checkpoint of LoRA fine-tunes, ``--merge``)."""
+    (``merge_adapters``: written as the full merged checkpoint of LoRA fine-tunes, ``--merge``;
+    ``dtype``: the output dtype, ``--dtype``)."""
+    tail = (["--dtype", dtype_flag(dtype)] if dtype is not None else []) + (
+        ["--merge"] if merge_adapters else []
+    )
     if cand.family == "lines":
-        return lines.reproduce_argv(cand, base, fts[0], out, device) + (["--merge"] if merge_adapters else [])
+        return lines.reproduce_argv(cand, base, fts[0], out, device) + tail
     p = cand.param_dict
-    dev = ["--device", device] if device != "auto" else []
-    dev = (["--merge"] if merge_adapters else []) + dev
+    dev = tail + (["--device", device] if device != "auto" else [])
     if cand.command == "repair":
         argv = ["dghard", "repair", base, fts[0], out, "--shrink", p["shrink"], "--scale", _fmt(p["scale"])]
         if p["shrink"] == "twoknob":
@@ -132,11 +144,13 @@ def write_candidate(
     argv: list[str],
     report_out: str | None = None,
     merge_adapters: bool = False,
+    dtype: str | None = None,
 ) -> dict:
     """Write ``cand`` into ``out`` with the command's own library function; returns its report.
 
     ``report_out``: the output path its report names (the sweep's OUT, where the winner is
-    moved); None: ``out``.
+    moved); None: ``out``. ``dtype``: the output dtype of floating tensors (a safetensors name);
+    None: the command's default.
     """
     if cand.family == "lines":
         return lines.write_candidate(
@@ -148,10 +162,12 @@ def write_candidate(
             argv=argv,
             report_out=report_out,
             merge_adapters=merge_adapters,
+            dtype=dtype,
         )
     p = cand.param_dict
     run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
     lora = LoraOutputOptions(merge=merge_adapters)
+    policy = PolicyOptions(out_dtype=dtype)
     if cand.command == "repair":
         spec = ShrinkSpec(
             shrink=p["shrink"],
@@ -161,8 +177,13 @@ def write_candidate(
             a=p.get("a", 1.0),
             b=p.get("b", 0.0),
         )
-        return repair(base, fts[0], out, RepairOptions(spec=spec, run=run, lora=lora))
+        return repair(base, fts[0], out, RepairOptions(spec=spec, policy=policy, run=run, lora=lora))
     kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
     if "lines" in p:  # the schedule as --lines builds it
         kwargs[LINES.attr] = LINES.build([float(p["lines"][0]), float(p["lines"][1])])
-    return merge(base, fts, out, MergeOptions(method=p["method"], extra=extra, run=run, lora=lora, **kwargs))
+    return merge(
+        base,
+        fts,
+        out,
+        MergeOptions(method=p["method"], extra=extra, policy=policy, run=run, lora=lora, **kwargs),
+    )

@@ -61,6 +61,7 @@ class CandidateWrite:
     report_out: str  # the output path its report names (the sweep's OUT)
     merge_adapters: bool  # LoRA fine-tunes written as the full merged checkpoint
     adapter: bool  # written as a LoRA adapter: measured and evaluated as BASE + ΔW
+    dtype: str | None = None  # output dtype of floating tensors (--dtype); None: the command's default
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,7 @@ def prepare_candidate(job: Job) -> dict:
             argv=list(w.argv),
             report_out=w.report_out,
             merge_adapters=w.merge_adapters,
+            dtype=w.dtype,
         )
         route = doc.get("parameters", {}).get("adapter_route")
         if w.adapter and route != "exact":  # writes_adapter promised the exact route
@@ -245,7 +247,10 @@ def prepare_failure(job: Job, exc: BaseException, *, remote: bool) -> JobResult:
     from dghard_cli.io.files import RESOURCE_ERRNOS
 
     what = getattr(exc, "message", None) or str(exc)
-    doing = "candidate could not be written" if job.write is not None else "model could not be prepared"
+    if job.write is not None:  # the hints in ``what`` are options of that command (--exclude ...)
+        doing = f"candidate could not be written by its command (dghard {job.write.argv[1]})"
+    else:
+        doing = "model could not be prepared"
     message = f"the {doing}: {what}"
     machine = isinstance(exc, RuntimeFailure) or (isinstance(exc, OSError) and exc.errno in RESOURCE_ERRNOS)
     res = failed_result(

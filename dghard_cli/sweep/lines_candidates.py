@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from dghard_cli.architecture import place_depth
+from dghard_cli.engine.plan import PolicyOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
@@ -255,6 +256,7 @@ def write_candidate(
     argv: list[str],
     report_out: str | None = None,
     merge_adapters: bool = False,
+    dtype: str | None = None,
 ) -> dict:
     """Write ``cand`` with ``dghard repair`` (``merge_adapters``: FT is a LoRA adapter, written as
     the full merged checkpoint, ``--merge``; else in FT's own format, an adapter for an adapter)."""
@@ -275,4 +277,7 @@ def write_candidate(
         )
     run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
     lora = LoraOutputOptions(merge=merge_adapters)
-    return repair(base, ft, out, RepairOptions(spec=spec, schedule=schedule, run=run, lora=lora))
+    policy = PolicyOptions(out_dtype=dtype)
+    return repair(
+        base, ft, out, RepairOptions(spec=spec, schedule=schedule, policy=policy, run=run, lora=lora)
+    )

@@ -132,7 +132,7 @@ def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
     par = registry.params()
     for m in swept_methods(block.exclude):
         axis = strength_axis(m)
-        own = par[axis].sweep_range or block.range
+        own = m.sweep_range(par[axis]) or block.range
         lo, hi = max(block.range[0], own[0]), min(block.range[1], own[1])
         if not lo < hi:
             continue  # the method's strength axis does not meet the block's range

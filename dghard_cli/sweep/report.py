@@ -106,6 +106,7 @@ class SweepReport:
                 "tie_tolerance": o.tie_tolerance,
                 "fail_under": o.fail_under,
                 "device": o.device,
+                "dtype": o.dtype,
             },
             "candidates_file": self.candidates_source,
             "families": [e.describe() for e in self.active],

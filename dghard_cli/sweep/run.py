@@ -107,6 +107,9 @@ class SweepOptions:
     units: str = "auto"  # auto | fraction | points: how every results file's numbers are read
     tie_tolerance: float = 0.0
     device: str = "auto"
+    #: output dtype of every candidate's floating tensors (``--dtype``, a safetensors name such as
+    #: BF16); None: each command's default (the fine-tune's)
+    dtype: str | None = None
     overwrite: bool = False
     argv: list[str] | None = None
     plot: bool = True
@@ -193,6 +196,11 @@ class _Sweep(EvaluationSteps, SweepReport):
             if p is not None and not Path(p).expanduser().exists():
                 raise InputError(f"results {p}: no such file or directory")
         from dghard_cli.score.results import SCALES
+
+        if o.dtype is not None:
+            from dghard_cli.io.safetensors_format import parse_dtype_option
+
+            o.dtype = parse_dtype_option(o.dtype)
 
         if o.units not in SCALES:
             raise InputError(f"--units {o.units!r} is not one of {', '.join(SCALES)}")

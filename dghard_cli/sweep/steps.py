@@ -332,6 +332,8 @@ class EvaluationSteps:
     # -- candidates
     def key(self, cand: Candidate) -> str:
         what = {"candidate": [cand.command, list(cand.params)], "device": self.opts.device, **self.identity}
+        if self.opts.dtype is not None:  # what is written (absent: the command's default, as before)
+            what["dtype"] = self.opts.dtype
         if self.adapters:  # the format is part of what was measured (cached before it was: not reused)
             what["output"] = "peft" if self.as_adapter(cand) else "full"
         return digest(what)
@@ -349,6 +351,7 @@ class EvaluationSteps:
             reproduced_out(self.out_arg),
             self.opts.device,
             merge_adapters=self.adapters and not self.as_adapter(cand),
+            dtype=self.opts.dtype,
         )
 
     def candidate_job(self, cand: Candidate, key: str, name: str) -> Job:
@@ -364,6 +367,7 @@ class EvaluationSteps:
                 report_out=self.out_arg,  # the winner ends up in OUT: its report says so
                 merge_adapters=self.adapters and not adapter,
                 adapter=adapter,
+                dtype=self.opts.dtype,
             ),
         )
 
