@@ -41,9 +41,12 @@ and prints one markdown table: each expert alone, every ``dghard merge`` method 
 (defaults, plus a small grid of its strength axis where cheap: the best of the grid by
 normalised accuracy is reported and says so), each also with ``--lines A,B`` on a small grid,
 the spectral methods ``tsv``, ``iso-c``, ``iso-cts`` when this dghard's ``merge`` has them, and
-``dghard sweep BASE EXPERT_1 --merge-ft EXPERT_2..T`` at each ``--budgets`` value (the sweep
-scores with ``score``'s repair/retention HM against BASE and expert 1, not with normalised
-accuracy; its winner is then scored here like every other row).
+``dghard sweep BASE EXPERT_1 --merge-ft EXPERT_2..T --dtype bf16`` with its default candidates
+at each ``--budgets`` value (the sweep scores each new task against its own expert and the old
+skills against the experts, its HM, not normalised accuracy; its winner is then scored here like
+every other row). Below the table: the best row's lead over task arithmetic and TIES (each at its
+best setting) with the *paired* stderr of the difference (both merges answer the same prompts:
+:func:`paired_difference`).
 
 Commands (from the repository root, with ``PYTHONPATH=$PWD`` or dghard installed)::
 
@@ -263,10 +266,14 @@ class Sampler:
 
 
 def evaluate_model(
-    model: Any, skills: Sequence[str] | None = None, tasks: Sequence[str] = TASKS
+    model: Any,
+    skills: Sequence[str] | None = None,
+    tasks: Sequence[str] = TASKS,
+    outcomes: dict[str, list[int]] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Exact-match accuracy (points) and binomial stderr on the held-out sets of the old skills and
-    ``tasks`` (or of ``skills`` only), one teacher-forced pass each."""
+    ``tasks`` (or of ``skills`` only), one teacher-forced pass each; ``outcomes`` (when given)
+    receives each prompt's 0/1, in the fixed order of the sets (for paired comparisons)."""
     import torch
 
     sets = eval_sets(tasks)
@@ -279,6 +286,8 @@ def evaluate_model(
             pred = logits[:, :-1].argmax(-1)
             gold = labels[:, 1:]
             ok = ((pred == gold) | (gold == -100)).all(dim=1).double()
+            if outcomes is not None:
+                outcomes[skill] = [int(x) for x in ok.tolist()]
             p = float(ok.mean())
             se = math.sqrt(max(p * (1 - p), 1.0 / len(examples)) / len(examples))
             out[skill] = {"score": round(100 * p, 4), "stderr": round(100 * se, 4)}
@@ -308,6 +317,33 @@ def normalised_accuracy(
         var += se_r**2
     n = len(ratios)
     return 100 * sum(ratios) / n, 100 * math.sqrt(var) / n
+
+
+def paired_difference(
+    a: dict[str, list[int]], b: dict[str, list[int]], experts: dict[str, dict[str, float]]
+) -> tuple[float, float]:
+    """Normalised accuracy of merge A minus that of merge B (points of %) and the stderr of that
+    difference from the per-prompt outcomes: both merges answer the same prompts, so per task the
+    difference of the means has stderr sd(a_i − b_i)/√n, which is smaller than the two
+    stderrs combined when the merges get the same prompts right. Each task's difference is
+    divided by the expert's own accuracy e_t (its uncertainty propagated: d_t·se_e/e_t), the
+    tasks are independent, the mean's stderr is sqrt(Σ se_t²)/T."""
+    diffs: list[float] = []
+    var = 0.0
+    for t, e in experts.items():
+        ev, ese = float(e["score"]) / 100, float(e["stderr"]) / 100
+        if ev <= 0:
+            raise ValueError(f"expert of {t!r} scores 0 on its own task: normalised accuracy is undefined")
+        x, y = a[t], b[t]
+        n = len(x)
+        d = [xi - yi for xi, yi in zip(x, y, strict=True)]
+        mean = sum(d) / n
+        sd2 = sum((di - mean) ** 2 for di in d) / (n - 1) if n > 1 else 0.0
+        r = mean / ev
+        diffs.append(r)
+        var += sd2 / n / ev**2 + (r * ese / ev) ** 2
+    k = len(diffs)
+    return 100 * sum(diffs) / k, 100 * math.sqrt(var) / k
 
 
 def mean_score(res: dict[str, dict[str, float]], skills: Sequence[str]) -> tuple[float, float]:
@@ -479,7 +515,7 @@ LINEAR_LAMBDAS = (0.4, 0.6, 1.0)  # the summing methods other than task arithmet
 DENSITIES = {"ties": (0.2, 0.1, 0.5), "dare-ties": (0.5, 0.2, 0.8), "della": (0.5, 0.3, 0.7)}
 LINES_GRID = ((0.2, 0.3), (0.3, 0.6), (0.5, 0.5))
 SPECTRAL = ("tsv", "iso-c", "iso-cts")
-SPECTRAL_ALPHAS = (1.0, 0.6, 1.4)  # their scale α (default 1)
+SPECTRAL_ALPHAS = (1.0, 0.3, 0.6, 1.4, 2.0)  # their scale α (default 1)
 CALIB_PER_SKILL = 8
 
 
@@ -569,6 +605,7 @@ class Bench:
         self.results = self.root / "results"
         self.cand = self.root / "candidate"
         self.eval_seconds: list[float] = []
+        self.outcomes: dict[str, dict[str, list[int]]] = {}  # name -> task -> each prompt's 0/1
         self.merge_seconds: list[float] = []
         self.script = str(Path(__file__).resolve())
 
@@ -581,7 +618,9 @@ class Bench:
     def evaluate(self, model: Path, name: str) -> dict[str, dict[str, float]]:
         """In this process (the same function as ``eval``); the JSON is kept under results/."""
         t0 = time.time()
-        res = evaluate_model(fb.load_model(model), tasks=self.tasks)
+        outcomes: dict[str, list[int]] = {}
+        res = evaluate_model(fb.load_model(model), tasks=self.tasks, outcomes=outcomes)
+        self.outcomes[name] = outcomes
         (self.results / f"{name}.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
         self.eval_seconds.append(time.time() - t0)
         return res
@@ -613,8 +652,10 @@ class Bench:
         argv = ["sweep", str(self.base), str(self.experts[0]), str(out)]
         for e in self.experts[1:]:
             argv += ["--merge-ft", str(e)]
-        # the evaluation writes points, and an expert's score on another's task can be below one
+        # the evaluation writes points, and an expert's score on another's task can be below one;
+        # bf16 output, as the spectral rows (their float32 output is refused on these experts)
         argv += ["--eval", self.eval_template(), "--budget", str(budget), "--units", "points", "--json"]
+        argv += ["--dtype", "bf16"]
         argv += ["--base-results", str(ref_files[0])]
         for f in ref_files[1:]:
             argv += ["--ft-results", str(f)]
@@ -748,15 +789,44 @@ def cmd_table(args: argparse.Namespace) -> int:
         else:
             reason = doc.get("winner_reason") or doc.get("no_winner_reason") or "see sweep_report.json"
             row(f"dghard sweep --budget {n}", f"no winner: {reason}", None)
+    best_of = {
+        fam: max((c for c in cs if c.name in res), key=lambda c: key(c.name), default=None)
+        for fam, cs in fams.items()
+    }
+    ranked = sorted((c for c in best_of.values() if c is not None), key=lambda c: key(c.name), reverse=True)
+    leaders = ranked[:1] + [c for c in ranked if c.family in SPECTRAL][:1]
+    leaders += [Candidate(f"sweep-{n}", f"dghard sweep --budget {n}", "", []) for n, _d, _t in sweeps]
+    peers = [best_of.get("task-arithmetic"), best_of.get("ties")]
+    if ranked and any(peers):
+        print()
+        print("paired differences in normalised accuracy (same prompts; ± the stderr of the difference):")
+        seen_pairs = set()
+        for a in leaders:
+            for b in peers:
+                if (
+                    b is None
+                    or a.name == b.name
+                    or (a.name, b.name) in seen_pairs
+                    or a.name not in bench.outcomes
+                ):
+                    continue
+                seen_pairs.add((a.name, b.name))
+                try:
+                    d, se = paired_difference(bench.outcomes[a.name], bench.outcomes[b.name], own)
+                except ValueError as exc:
+                    print(f"- {a.family} − {b.family}: {exc}")
+                    continue
+                print(
+                    f"- {a.family} ({a.setting or 'winner'}) − {b.family} ({b.setting}): {d:+.1f} ± {se:.1f} "
+                    f"({abs(d) / se if se > 0 else math.inf:.1f} stderr)"
+                )
     for n, doc, _dt in sweeps:
         cs = doc.get("candidates", [])
         fam_names = sorted({str(c.get("family")) for c in cs})
         print()
+        print(f"sweep --budget {n}: {len(cs)} candidates ({', '.join(fam_names)}), scored by the sweep")
         print(
-            f"sweep --budget {n}: {len(cs)} candidates ({', '.join(fam_names)}), scored by the sweep against BASE"
-        )
-        print(
-            f"and expert {tasks[0]} (repair of what it damaged, retention of what it gained), not by normalised"
+            "(each new task's retention of its own expert's gain, the old skills' repair, their HM), not by normalised"
         )
         win = doc.get("winner")
         if win:

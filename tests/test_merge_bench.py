@@ -211,3 +211,41 @@ def test_facts_scenario_sets_and_a_tiny_build_eval_and_table(
         "ties",
     ]
     assert rows[0].split(" | ")[3:7] == list(mb.FACT_TASKS)
+
+
+def test_paired_difference_matches_numpy_and_is_tighter_for_correlated_merges() -> None:
+    """The lead of merge A over merge B on the same prompts: the mean over tasks of the per-task
+    difference of exact-match means divided by the expert's own accuracy, with the stderr of
+    the paired differences (numpy, ddof=1) and the expert's own stderr propagated."""
+    mb = _bench()
+    rng = np.random.default_rng(0)
+    tasks = ["t1", "t2", "t3", "t4"]
+    experts = {
+        t: {"score": s, "stderr": se}
+        for t, s, se in zip(tasks, (100, 90, 80, 100), (0.5, 2.1, 2.8, 0.5), strict=True)
+    }
+    common = {t: rng.random(200) < 0.1 for t in tasks}  # prompts both merges get right
+    a = {t: (common[t] | (rng.random(200) < 0.04)).astype(int).tolist() for t in tasks}
+    b = {t: (common[t] & (rng.random(200) < 0.9)).astype(int).tolist() for t in tasks}
+    d, se = mb.paired_difference(a, b, experts)
+    terms, var = [], 0.0
+    for t in tasks:
+        e, ese = experts[t]["score"] / 100, experts[t]["stderr"] / 100
+        diff = np.asarray(a[t], float) - np.asarray(b[t], float)
+        r = diff.mean() / e
+        terms.append(r)
+        var += diff.var(ddof=1) / diff.size / e**2 + (r * ese / e) ** 2
+    assert math.isclose(d, 100 * np.mean(terms), rel_tol=1e-12)
+    assert math.isclose(se, 100 * math.sqrt(var) / len(tasks), rel_tol=1e-12)
+    # the unpaired stderr of the same difference (each row's binomial stderr combined) is larger
+    res = {
+        name: {
+            t: {"score": 100 * np.mean(o[t]), "stderr": 100 * math.sqrt(max(np.var(o[t]), 1 / 200) / 200)}
+            for t in tasks
+        }
+        for name, o in (("a", a), ("b", b))
+    }
+    na, sa = mb.normalised_accuracy(res["a"], experts)
+    nb, sb = mb.normalised_accuracy(res["b"], experts)
+    assert math.isclose(na - nb, d, abs_tol=1e-9) and se < math.hypot(sa, sb)
+    assert mb.paired_difference(a, a, experts) == (0.0, 0.0)
