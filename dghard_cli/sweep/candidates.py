@@ -16,6 +16,9 @@ ties               merge      TIES at keep fraction ``density``                 
 dare-linear        merge      DARE at keep fraction ``density``                  density (log)
 dare-ties          merge      DARE-TIES at keep fraction ``density``             density (log)
 dg-hard            merge      DG-Hard on each Δ_i at scale s, then summed        scale (log)
+tsv                merge      TSV-M: α·polar(U_cat)·Σ_cat·polar(V_cat)ᵀ           alpha (0-3)
+iso-c              merge      Iso-C: α × the flat spectrum of Σ_i Δ_i            alpha (0-3)
+iso-cts            merge      Iso-CTS: the same, common + task directions        alpha (0-3)
 lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiNeS)        (α, β): 2-D
 =================  =========  ================================================  ==============
 
