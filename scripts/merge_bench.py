@@ -660,6 +660,7 @@ class Bench:
         for f in ref_files[1:]:
             argv += ["--ft-results", str(f)]
         doc = json.loads(fb.dghard(argv, capture=True).stdout)
+        (self.results / f"sweep-{budget}.report.json").write_text(json.dumps(doc, indent=1) + "\n")
         res = self.evaluate(out, f"sweep-{budget}") if doc.get("winner") else None
         shutil.rmtree(out, ignore_errors=True)
         return doc, res

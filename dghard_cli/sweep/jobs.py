@@ -197,17 +197,21 @@ def prepare_candidate(job: Job) -> dict:
         shutil.rmtree(target, ignore_errors=True)
         target.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.perf_counter()
-        doc = write_candidate(
-            w.cand,
-            w.base,
-            list(w.fts),
-            target,
-            device=job.device,
-            argv=list(w.argv),
-            report_out=w.report_out,
-            merge_adapters=w.merge_adapters,
-            dtype=w.dtype,
-        )
+        try:
+            doc = write_candidate(
+                w.cand,
+                w.base,
+                list(w.fts),
+                target,
+                device=job.device,
+                argv=list(w.argv),
+                report_out=w.report_out,
+                merge_adapters=w.merge_adapters,
+                dtype=w.dtype,
+            )
+        except (InputError, RuntimeFailure, OSError) as exc:
+            exc.by_command = w.argv[1]  # type: ignore[attr-defined]  # its hints are that command's
+            raise
         route = doc.get("parameters", {}).get("adapter_route")
         if w.adapter and route != "exact":  # writes_adapter promised the exact route
             raise RuntimeFailure(
@@ -247,8 +251,11 @@ def prepare_failure(job: Job, exc: BaseException, *, remote: bool) -> JobResult:
     from dghard_cli.io.files import RESOURCE_ERRNOS
 
     what = getattr(exc, "message", None) or str(exc)
-    if job.write is not None:  # the hints in ``what`` are options of that command (--exclude ...)
-        doing = f"candidate could not be written by its command (dghard {job.write.argv[1]})"
+    command = getattr(exc, "by_command", None)
+    if command is not None:  # the hints in ``what`` are options of that command (--exclude ...)
+        doing = f"candidate could not be written by its command (dghard {command})"
+    elif job.write is not None:
+        doing = "candidate could not be written"
     else:
         doing = "model could not be prepared"
     message = f"the {doing}: {what}"
