@@ -253,9 +253,10 @@ def test_the_strength_search_starts_small_and_follows_up_the_best_merge(swept):
     assert [f["family"] for f in strength][:4] == ["task-arithmetic", "ties", "dare-ties", "dg-hard"]
     assert all(f["axis"] == "lambda" and f["grid"] == [0.3, 0.6, 1.0] for f in strength[:4])
     coarse = [r for r in doc["candidates"] if r["phase"] == "coarse"]
-    # round-robin, smallest strength first: every family's 0.3 before any 0.6
+    # round-robin, smallest strength first: every family's first grid value before any second
     n = len(strength)
-    assert [r["value"] for r in coarse[:n]] == [0.3] * n
+    assert [r["value"] for r in coarse[:n]] == [f["grid"][0] for f in strength]
+    assert [f["grid"][0] for f in strength] == [0.3] * 4 + [1.0] * (n - 4)  # the subspace merges' own grid
     follow = [f for f in doc["families"] if str(f.get("origin", "")).startswith("follow-up")]
     assert follow and any(f["axis"] == "alpha,beta" and f["command"] == "merge" for f in follow)
     scheduled = [r for r in doc["candidates"] if r["axis"] == "lines"]
@@ -359,8 +360,13 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
     ]
     block = {"dare-linear", "breadcrumbs", "breadcrumbs-ties", "della", "della-linear"}
     assert [e.family for e in several] == [m for m in want if m not in block]
+    own = {"tsv", "iso-c", "iso-cts"}  # the subspace merges' α: a grid of their own (merges.methods)
     for e in several:
-        assert e.grid == sorted(e.grid) and e.grid[0] <= 0.3  # from small strengths up
+        assert e.grid == sorted(e.grid)  # from small strengths up
+        if e.family in own:
+            assert e.grid == [1.0, 1.4, 2.0] and e.range == (0.5, 3.0), e.describe()
+        else:
+            assert e.grid == [0.3, 0.6, 1.0] and e.range == (0.1, 1.5), e.describe()
         assert e.axis == ("lambda" if "lambda" in e.kind.axes else e.kind.axes[0])
     # a method module found by the registry (as dghard_cli/methods/<name>.py would be) whose
     # strength is alpha joins as it is, after the sweep modules were imported
@@ -398,6 +404,16 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
         ({"grid": [0.3], "range": [0.1, 1.5], "lines": [[0.5]]}, "is not a pair"),
         ({"grid": [0.3], "range": [0.1, 1.5], "density": [1.5]}, "must be in (0, 1]"),
         ({"grid": [0.3], "range": [0.1, 1.5], "colour": 1}, "unknown key 'colour'"),
+        ({"grid": [0.3], "range": [0.1, 1.5], "methods": {"magic": {"grid": [1]}}}, "is not a merge method"),
+        (
+            {"grid": [0.3], "range": [0.1, 1.5], "methods": {"tsv": {"grid": [2.0]}}},
+            "tsv: grid value 2 lies outside",
+        ),
+        (
+            {"grid": [0.3], "range": [0.1, 1.5], "methods": {"tsv": {"grid": [1], "step": 1}}},
+            "with 'grid' and",
+        ),
+        ({"grid": [0.3], "range": [0.1, 1.5], "methods": [1]}, "'methods' must map"),
     ],
 )
 def test_merges_block_errors_name_the_key(block, message):
@@ -407,6 +423,23 @@ def test_merges_block_errors_name_the_key(block, message):
     with pytest.raises(InputError) as e:
         parse_candidates({"merges": block}, "c.yaml")
     assert message in str(e.value) and str(e.value).startswith("c.yaml: merges")
+
+
+def test_a_method_given_its_own_grid_and_range_in_the_merges_block():
+    from dghard_cli.sweep.candidate_file import parse_candidates
+
+    block = {
+        "grid": [0.3, 0.6],
+        "range": [0.1, 1.5],
+        "methods": {"iso-c": {"grid": [0.8, 2.5], "range": [0.5, 4]}},
+    }
+    by = {e.family: e for e in parse_candidates({"merges": block}, "c.yaml")}
+    assert by["iso-c"].grid == [0.8, 2.5] and by["iso-c"].range == (0.5, 3.0)  # clipped to α's (0, 3)
+    assert by["task-arithmetic"].grid == [0.3, 0.6] and by["task-arithmetic"].range == (0.1, 1.5)
+    # a grid alone takes the block's range
+    block["methods"] = {"tsv": {"grid": [1.2]}}
+    by = {e.family: e for e in parse_candidates({"merges": block}, "c.yaml")}
+    assert by["tsv"].grid == [1.2] and by["tsv"].range == (0.1, 1.5) and by["iso-c"].grid == [0.3, 0.6]
 
 
 def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):

@@ -7,8 +7,10 @@ one rule over the merge-method registry (:mod:`dghard_cli.methods.registry`):
    fine-tunes, runs no calibration and is not in ``exclude`` gets one entry on its *strength
    axis* — ``lambda`` (the scale of the merged update) where the method sweeps it, else its
    first sweep axis (``alpha`` of a method that declares ``sweep_axes=("alpha", ...)``) — with
-   the block's ``grid`` (small strengths first) and ``range``, clipped to the axis's declared
-   range. A method added to the registry with ``sweep_axes`` joins without any change here.
+   the block's ``grid`` (small strengths first) and ``range`` — or the method's own under
+   ``methods:`` (the subspace merges' α, whose merged update does not add up as summed task
+   vectors do) — clipped to the axis's declared range. A method added to the registry with
+   ``sweep_axes`` joins without any change here.
 2. **Follow-ups**, once the strength search has had its share of the budget (all but a
    quarter of the candidate evaluations) or has nothing left to try: for the best merge so
    far, (a) its ``density`` (when its method sweeps one), the strength fixed at the best value,
@@ -32,7 +34,9 @@ from dghard_cli.methods import registry
 from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, Candidate, FamilyEntry
 from dghard_cli.sweep.candidates import is_number as _num
 
-BLOCK_KEYS = ("grid", "range", "exclude", "density", "lines", "tolerance")
+BLOCK_KEYS = ("grid", "range", "methods", "exclude", "density", "lines", "tolerance")
+#: The keys of one method's own strength search in ``methods:``.
+METHOD_KEYS = ("grid", "range")
 #: The lines follow-up's (α, β) ranges: shallow layers from 0 to the strength found, the deepest
 #: up to 3× it.
 LINES_RANGE = {"alpha": (0.0, 1.0), "beta": (0.0, 2.0)}
@@ -46,6 +50,9 @@ class MergesBlock:
 
     grid: list[float]
     range: tuple[float, float]
+    #: a grid and range of their own for methods whose strength has another scale (the subspace
+    #: merges' α: their orthogonalised or flat spectra do not add up as summed task vectors do)
+    methods: dict[str, tuple[list[float], tuple[float, float]]] = field(default_factory=dict)
     exclude: list[str] = field(default_factory=list)
     density: list[float] = field(default_factory=list)
     lines: list[tuple[float, float]] = field(default_factory=list)
@@ -75,6 +82,21 @@ def _numbers(raw: object, at: str, what: str) -> list[float]:
     return [float(x) for x in raw]
 
 
+def _grid_and_range(raw: dict, at: str, default: tuple[float, float] | None) -> tuple[list[float], tuple]:
+    """A ``grid`` (non-empty) inside a ``range`` [low, high] (``default`` when not given)."""
+    grid = _numbers(raw.get("grid"), at, "grid")
+    if not grid:
+        raise InputError(f"{at}: 'grid' must be a non-empty list of strengths")
+    rng = raw.get("range", None if default is None else list(default))
+    if not isinstance(rng, list) or len(rng) != 2 or not all(_num(x) for x in rng) or not rng[0] < rng[1]:
+        raise InputError(f"{at}: 'range' must be [low, high] with low < high, got {rng!r}")
+    lo, hi = float(rng[0]), float(rng[1])
+    for g in grid:
+        if not lo <= g <= hi:
+            raise InputError(f"{at}: grid value {g:g} lies outside range [{lo:g}, {hi:g}]")
+    return grid, (lo, hi)
+
+
 def parse_block(raw: object, where: str) -> MergesBlock:
     """Validate the ``merges:`` block; InputError naming the file and key otherwise."""
     at = f"{where}: merges"
@@ -83,18 +105,19 @@ def parse_block(raw: object, where: str) -> MergesBlock:
     for key in raw:
         if key not in BLOCK_KEYS:
             raise InputError(f"{at}: unknown key {key!r} (known keys: {', '.join(BLOCK_KEYS)})")
-    grid = _numbers(raw.get("grid"), at, "grid")
-    if not grid:
-        raise InputError(f"{at}: 'grid' must be a non-empty list of strengths")
-    rng = raw.get("range")
-    if not isinstance(rng, list) or len(rng) != 2 or not all(_num(x) for x in rng) or not rng[0] < rng[1]:
-        raise InputError(f"{at}: 'range' must be [low, high] with low < high, got {rng!r}")
-    lo, hi = float(rng[0]), float(rng[1])
-    for g in grid:
-        if not lo <= g <= hi:
-            raise InputError(f"{at}: grid value {g:g} lies outside range [{lo:g}, {hi:g}]")
-    exclude = raw.get("exclude", []) or []
+    grid, (lo, hi) = _grid_and_range(raw, at, None)
     known = [m.name for m in registry.methods().values()]
+    own_raw = raw.get("methods", {}) or {}
+    if not isinstance(own_raw, dict):
+        raise InputError(f"{at}: 'methods' must map a merge method to its own {{grid, range}}")
+    own: dict[str, tuple[list[float], tuple[float, float]]] = {}
+    for name, spec in own_raw.items():
+        if name not in known:
+            raise InputError(f"{at}: methods: {name!r} is not a merge method ({', '.join(known)})")
+        if not isinstance(spec, dict) or any(k not in METHOD_KEYS for k in spec):
+            raise InputError(f"{at}: methods: {name}: expected a mapping with 'grid' and optionally 'range'")
+        own[name] = _grid_and_range(spec, f"{at}: methods: {name}", (lo, hi))
+    exclude = raw.get("exclude", []) or []
     if not isinstance(exclude, list) or not all(isinstance(x, str) for x in exclude):
         raise InputError(f"{at}: 'exclude' must be a list of merge method names")
     for x in exclude:
@@ -122,7 +145,7 @@ def parse_block(raw: object, where: str) -> MergesBlock:
     tol = raw.get("tolerance", DEFAULT_TOLERANCE)
     if not _num(tol) or not 0 < float(tol) <= 1:
         raise InputError(f"{at}: 'tolerance' must be a number in (0, 1] (share of the range)")
-    return MergesBlock(grid, (lo, hi), list(exclude), density, pairs, float(tol))
+    return MergesBlock(grid, (lo, hi), own, list(exclude), density, pairs, float(tol))
 
 
 def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
@@ -132,11 +155,12 @@ def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
     par = registry.params()
     for m in swept_methods(block.exclude):
         axis = strength_axis(m)
-        own = m.sweep_range(par[axis]) or block.range
-        lo, hi = max(block.range[0], own[0]), min(block.range[1], own[1])
+        want_grid, want = block.methods.get(m.name, (block.grid, block.range))
+        own = m.sweep_range(par[axis]) or want
+        lo, hi = max(want[0], own[0]), min(want[1], own[1])
         if not lo < hi:
             continue  # the method's strength axis does not meet the block's range
-        grid = [g for g in block.grid if lo <= g <= hi] or [lo + (hi - lo) / 2]
+        grid = [g for g in want_grid if lo <= g <= hi] or [lo + (hi - lo) / 2]
         out.append(
             FamilyEntry(
                 family=m.name,
