@@ -200,6 +200,26 @@ def test_expert_reference_and_pooled_retention_by_hand():
     quiet = {"d0": Score(80.0), "d1": Score(78.0), "gen": Score(70.0), "chat": Score(50.0)}
     d2 = score_candidates(base, quiet, [("c", cand)], targets=["d1"], targets_in_retention=True)
     assert d2["notes"] and not any("repair" in w for w in d2["warnings"])
+    # as the sweep scores several fine-tunes: an unchanged skill of the base (chat: no expert
+    # moved it) is in % repair as the share of the base's level kept, c/b
+    d3 = score_candidates(
+        base, ref, [("c", cand)], targets=["d1"], targets_in_retention=True, unchanged_in_repair=True
+    )
+    (c3,) = d3["candidates"]
+    assert abs(c3["repair"] - ((64 - 40) / (70 - 40) * 100 + 50.0 / 50.0 * 100) / 2) < 1e-12
+    assert abs(c3["retention"] - retention) < 1e-12 and d3["unchanged_in_repair"] is True
+    lost = {**cand, "chat": 10.0}  # keeps the gains, loses a skill every expert kept
+    (c4,) = score_candidates(
+        base, ref, [("c", lost)], targets=["d1"], targets_in_retention=True, unchanged_in_repair=True
+    )["candidates"]
+    assert abs(c4["repair"] - (80.0 + 10.0 / 50.0 * 100) / 2) < 1e-12 and c4["hm"] < c3["hm"]
+    # nothing damaged, gen and chat unchanged: % repair is their kept share, and the note says so
+    d5 = score_candidates(
+        base, quiet, [("c", cand)], targets=["d1"], targets_in_retention=True, unchanged_in_repair=True
+    )
+    (c5,) = d5["candidates"]
+    assert abs(c5["repair"] - (64.0 / 70.0 * 100 + 50.0 / 50.0 * 100) / 2) < 1e-12
+    assert any("share of the base's level kept on the 2 unchanged" in n for n in d5["notes"])
 
 
 # -- the sweep ---------------------------------------------------------------------------------

@@ -262,6 +262,11 @@ def test_a_refused_float32_candidate_says_to_use_the_sweeps_dtype_and_bf16_write
     assert row["status"] == "failed" and "error bound" in row["message"], row
     assert "--dtype bf16" in row["message"] and "its command (dghard merge)" in row["message"]
     ok = run_dghard(*common, "--candidates", fam, "--dtype", "bf16", tmp_path / "o16")
-    (row,) = json.loads(ok.stdout)["candidates"]
+    doc = json.loads(ok.stdout)
+    (row,) = doc["candidates"]
     assert row["status"] == "ok", row
     assert "--dtype" in row["reproduce"]["argv"]
+    # the scoring of several fine-tunes: 'task' against its best expert (60 of 40 -> 70), 'skill'
+    # (no expert moved it) in % repair as the share of the base's level kept (50 of 50)
+    assert doc["scoring"]["unchanged_in_repair"] is True
+    assert abs(row["retention"] - (60 - 40) / (70 - 40) * 100) < 1e-9 and abs(row["repair"] - 100.0) < 1e-9

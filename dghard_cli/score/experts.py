@@ -12,7 +12,8 @@ For each benchmark *k*, with base score *b* and the experts' scores *f_1 … f_n
   It is *damaged* when that expert fell below the base by more than its margin, and its
   % repair (c − f_min)/(b − f_min) says how much of the base's skill the candidate keeps
   (100 %: the base's level, 0 %: no better than the fine-tune that damaged it most); else it
-  is unchanged.
+  is unchanged, and (``unchanged_in_repair``, as the sweep scores) its % repair is the share of
+  the base's level kept, c/b: a merge that loses a skill every expert kept is penalised.
 
 The experts are not asked which benchmark is theirs: the best expert on a benchmark is the one
 it belongs to. With these references, :func:`dghard_cli.score.metrics.score_candidates` scores

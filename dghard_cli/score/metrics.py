@@ -89,6 +89,7 @@ def score_candidates(
     stderr_factor: float = DEFAULT_STDERR_FACTOR,
     fail_under: float | None = None,
     targets_in_retention: bool = False,
+    unchanged_in_repair: bool = False,
     units_option: str | None = "--units",
 ) -> dict:
     """Score candidates against base and fine-tune; returns the score document.
@@ -98,7 +99,11 @@ def score_candidates(
     All scores are in points. ``targets_in_retention`` (the sweep with several fine-tunes,
     :mod:`dghard_cli.score.experts`): % retention is the mean over the improved benchmarks
     *and* the targets, so HM weighs every expert's gain on its own benchmark; a missing
-    damaged partition is then a note (``notes``), not a warning. Raises InputError (exit 2) for a benchmark missing from the
+    damaged partition is then a note (``notes``), not a warning. ``unchanged_in_repair`` (the
+    same sweep): an unchanged benchmark (a skill of the base no fine-tune moved beyond its margin)
+    enters % repair as the share of the base's level the candidate keeps, c/b·100 (b > 0; 100:
+    the base's level, 0: nothing of it), so a merge that loses what every expert kept is
+    penalised as one that fails to repair what an expert damaged. Raises InputError (exit 2) for a benchmark missing from the
     fine-tune or a candidate, an unknown target, a negative margin or no candidate.
     """
     if margin is not None and not (math.isfinite(margin) and margin >= 0):
@@ -180,7 +185,17 @@ def score_candidates(
     counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
     notes: list[str] = []
     gains = counts["improved"] + (counts["target"] if targets_in_retention else 0)
-    if targets_in_retention and counts["damaged"] == 0 and gains:
+    kept = (
+        [x for x in benchmarks if x["partition"] == "unchanged" and x["base"] > 0]
+        if unchanged_in_repair
+        else []
+    )
+    if targets_in_retention and counts["damaged"] == 0 and gains and kept:
+        notes.append(
+            "no benchmark outside the targets was damaged by any fine-tune: % repair is the share of the "
+            f"base's level kept on the {len(kept)} unchanged one(s)"
+        )
+    elif targets_in_retention and counts["damaged"] == 0 and gains:
         notes.append(
             "no benchmark outside the targets was damaged by any fine-tune: % repair is undefined and "
             "HM is the % retention (targets and improved benchmarks) alone"
@@ -227,6 +242,9 @@ def score_candidates(
                 val = cv - bv
                 if bm["unit"] != scales.UNBOUNDED:  # the mean is in points
                     unch.append(val)
+                if unchanged_in_repair and bv > 0:  # the share of the base's level kept
+                    val = cv / bv * 100.0
+                    rep.append(val)
             else:
                 val = (cv - bv) / (fv - bv) * 100.0 if fv != bv else None
                 tgt[k] = val
@@ -294,6 +312,8 @@ def score_candidates(
     if targets_in_retention:
         doc["retention_includes_targets"] = True
         doc["notes"] = notes
+    if unchanged_in_repair:
+        doc["unchanged_in_repair"] = True
     others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
     doc["units_assumed"] = scales.describe(base, others, min_margin)
     warnings += scales.notes(base, others, units_option=units_option)

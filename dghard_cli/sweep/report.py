@@ -151,6 +151,7 @@ class SweepReport:
             "fine_tunes": len(self.ft_cks),
             "reference": "experts",
             "retention_includes_targets": True,
+            "unchanged_in_repair": True,
             "experts": {
                 k: {**v, "fine_tune": self.ft_specs[v["expert"]]} for k, v in self.expert_choice.items()
             },

@@ -316,6 +316,7 @@ class _Sweep(EvaluationSteps, SweepReport):
             targets=self.opts.targets,
             margin=self.opts.margin,
             targets_in_retention=len(self.ft_rfs) > 1,
+            unchanged_in_repair=len(self.ft_rfs) > 1,
             units_option="--units",  # the sweep's own option forces a unit
         )
         by_name = {c["name"]: c for c in doc["candidates"]}
