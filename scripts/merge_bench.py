@@ -621,6 +621,7 @@ class Bench:
         outcomes: dict[str, list[int]] = {}
         res = evaluate_model(fb.load_model(model), tasks=self.tasks, outcomes=outcomes)
         self.outcomes[name] = outcomes
+        (self.results / f"{name}.outcomes.json").write_text(json.dumps(outcomes) + "\n")
         (self.results / f"{name}.json").write_text(json.dumps(res, indent=1, sort_keys=True) + "\n")
         self.eval_seconds.append(time.time() - t0)
         return res
@@ -734,9 +735,12 @@ def cmd_table(args: argparse.Namespace) -> int:
         except ValueError:
             return None, None
 
-    def key(name: str) -> float:
+    def key(name: str) -> tuple[float, float]:
+        """Normalised accuracy, then (equal to the tenth shown) the old skills kept."""
         v = norm(name)[0]
-        return -math.inf if v is None else v
+        if v is None:
+            return (-math.inf, -math.inf)
+        return (round(v, 1), mean_score(res[name], OLD_SKILLS)[0])
 
     base_old = mean_score(res["BASE"], OLD_SKILLS)
     print()
@@ -795,7 +799,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         for fam, cs in fams.items()
     }
     ranked = sorted((c for c in best_of.values() if c is not None), key=lambda c: key(c.name), reverse=True)
-    leaders = ranked[:1] + [c for c in ranked if c.family in SPECTRAL][:1]
+    leaders = ranked[:1] + [c for c in ranked[1:] if c.family in SPECTRAL]
     leaders += [Candidate(f"sweep-{n}", f"dghard sweep --budget {n}", "", []) for n, _d, _t in sweeps]
     peers = [best_of.get("task-arithmetic"), best_of.get("ties")]
     if ranked and any(peers):
