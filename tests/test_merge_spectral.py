@@ -439,13 +439,18 @@ def test_overflowing_result_is_refused_not_written(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
-def test_ill_conditioned_matrix_is_refused_for_float32_and_merged_for_bf16(tmp_path):
-    """Σ Δ_i with singular values from 1 down to 3e-6: the flat spectrum divides by σ_min, the
-    Gram route's bound ε·κ² ≈ 2e-5 exceeds float32's resolution (refused, exit 2) but not bf16's."""
+def ill_conditioned_delta() -> torch.Tensor:
+    """A 64 × 32 float64 delta with singular values from 1 down to 3e-6 (logspace 0 to −5.5)."""
     g = torch.Generator().manual_seed(3)
     u = torch.linalg.qr(torch.randn((64, 32), generator=g, dtype=torch.float64))[0]
     v = torch.linalg.qr(torch.randn((32, 32), generator=g, dtype=torch.float64))[0]
-    delta = (u * torch.logspace(0, -5.5, 32, dtype=torch.float64)) @ v.T
+    return (u * torch.logspace(0, -5.5, 32, dtype=torch.float64)) @ v.T
+
+
+def test_ill_conditioned_matrix_is_refused_for_float32_and_merged_for_bf16(tmp_path):
+    """Σ Δ_i with singular values from 1 down to 3e-6: the flat spectrum divides by σ_min, the
+    Gram route's bound ε·κ² ≈ 2e-5 exceeds float32's resolution (refused, exit 2) but not bf16's."""
+    delta = ill_conditioned_delta()
     name = "model.layers.0.mlp.up_proj.weight"
     zero = torch.zeros((64, 32), dtype=torch.float32)
     write_checkpoint(tmp_path / "b", [(name, zero)], config=CFG.to_hf("float32"))

@@ -17,11 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import load_dir, run_dghard
-from test_merge_spectral import UBF16, as64, assert_close, reference
-from test_sweep_merge import FORMULA, Experts
+from test_merge_spectral import UBF16, as64, assert_close, ill_conditioned_delta, reference
+from test_sweep_merge import FORMULA, Experts, _sweep
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep.run import SweepOptions, sweep
 from dghard_cli.sweep.steps import _slug
 from dghard_cli.testing.synthetic import ArchConfig, write_checkpoint
 
@@ -67,7 +66,6 @@ deltas = {n: m[n] - b[n] for n in names}
 Path(output).write_text(json.dumps(benchmarks(deltas, sig, float(sig["q0"]), int(sig["k"]))))
 """
 )
-TARGETS = ["domain0", "domain1", "domain2"]
 SPECTRAL = {
     "families": [
         {"family": "tsv", "grid": [0.6, 1.4], "range": [0.2, 2.0]},
@@ -82,18 +80,6 @@ def experts(tmp_path_factory) -> Experts:
     ex = Experts(tmp_path_factory.mktemp("spectral-experts"))
     ex.script.write_text(EVAL_SCRIPT)
     return ex
-
-
-def _sweep(experts: Experts, out: Path, **kw) -> dict:
-    opts = SweepOptions(
-        eval_template=experts.template,
-        extra_fts=[str(f) for f in experts.fts[1:]],
-        targets=list(TARGETS),
-        plot=False,
-        device="cpu",
-        **kw,
-    )
-    return sweep(experts.base, experts.fts[0], out, opts)
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +219,7 @@ def test_a_refused_float32_candidate_says_to_use_the_sweeps_dtype_and_bf16_write
     matrix, split between two fine-tunes): Iso-C at float32 fails that candidate with the hint
     ``--dtype bf16``; ``dghard sweep --dtype bf16`` then writes and evaluates it."""
     cfg = ArchConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
-    g = torch.Generator().manual_seed(3)
-    u = torch.linalg.qr(torch.randn((64, 32), generator=g, dtype=torch.float64))[0]
-    v = torch.linalg.qr(torch.randn((32, 32), generator=g, dtype=torch.float64))[0]
-    delta = (u * torch.logspace(0, -5.5, 32, dtype=torch.float64)) @ v.T
+    delta = ill_conditioned_delta()
     name = "model.layers.0.mlp.up_proj.weight"
     zero = torch.zeros((64, 32), dtype=torch.float32)
     write_checkpoint(tmp_path / "b", [(name, zero)], config=cfg.to_hf("float32"))
