@@ -10,7 +10,8 @@ Names follow the Hugging Face conventions of the families dghard is used on:
 - the output head: ``lm_head``, ``embed_out`` (GPT-NeoX), a bare ``output.weight``.
 
 Every module that needs such knowledge (the plan's vocabulary-resize rule, RECALL's layer
-groups, the report's heat maps, the LoRA audit) asks here.
+groups, the report's heat maps, the LoRA audit, the adapter output's module kinds and the
+modules transformers 5 loads under other names) asks here.
 
 Layer depth (used by the layer-wise strength schedule, ``--lines`` / ``--layer-strengths``)
 ---------------------------------------------------------------------------------------------
@@ -80,6 +81,24 @@ OUTPUT_HEAD = re.compile(rf"(^|\.){_alt(OUTPUT_HEADS)}\.weight$|^output\.weight$
 INPUT_EMBEDDING = re.compile(
     rf"(^|\.){_alt([*(n for n in TOKEN_EMBEDDINGS if n != 'shared'), *POSITION_EMBEDDINGS])}\."
 )
+#: Embedding tables whose rows are not the vocabulary: positions and token types. They are
+#: ``nn.Embedding`` modules (a PEFT LoRA of one is an embedding LoRA, applied to whatever the module
+#: is called with, which is not token ids for OPT's learned positions), so an adapter output
+#: writes them whole.
+POSITION_TABLES = (*POSITION_EMBEDDINGS, "position_embeddings", "token_type_embeddings")
+POSITION_TABLE = re.compile(rf"(^|\.){_alt(POSITION_TABLES)}\.weight$")
+#: Checkpoint module names that transformers 5 builds under another name when it loads the model
+#: (a PEFT adapter names the loaded model's modules): ``(model types, or None for any; the
+#: module-name pattern; what the loaded model has instead)``.
+LOADED_UNDER_ANOTHER_NAME = (
+    (("gpt_neox",), re.compile(r"^embed_out$"), "'lm_head'"),
+    (None, re.compile(r"(^|\.)block_sparse_moe(\.|$)"), "'mlp' (Mixtral-style MoE blocks)"),
+    (
+        None,
+        re.compile(r"(^|\.)experts\.\d+(\.|$)"),
+        "3-D parameters of all experts (experts.gate_up_proj, ...)",
+    ),
+)
 #: Leaf module names of output layers (PEFT's ``all-linear`` leaves them out).
 OUTPUT_LAYER_NAMES = (*OUTPUT_HEADS, "output_layer")
 #: Substrings of module names that are embeddings or the head (a LoRA adapter may save them whole).
@@ -116,6 +135,15 @@ def layer_module(name: str) -> tuple[int, str] | None:
         return None
     module = name[m.end() :]
     return int(m.group(2)), module[: -len(".weight")] if module.endswith(".weight") else module
+
+
+def loaded_module_name(module: str, model_type: str | None) -> str | None:
+    """What transformers 5 has instead of a checkpoint's module ``module`` once it loads the model
+    (``'lm_head'`` for GPT-NeoX's ``embed_out``), or None when the loaded model has that module."""
+    for types, pattern, loaded in LOADED_UNDER_ANOTHER_NAME:
+        if (types is None or model_type in types) and pattern.search(module):
+            return loaded
+    return None
 
 
 def is_vocab_matrix(name: str) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING
+from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING, loaded_module_name
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
 from dghard_cli.lora.adapter import PEFT_PREFIX
@@ -27,6 +27,10 @@ from dghard_cli.lora.writer import (
     lora_keys,
     module_names,
 )
+
+#: The input embeddings whose LoRA PEFT 0.21 ties to the output layer (``ensure_weight_tying``
+#: compares the last component of a ``target_modules`` entry with these names).
+PEFT_TIED_EMBEDDINGS = ("embed_tokens",)
 
 
 def ties_embeddings(ck: Checkpoint) -> bool:
@@ -99,6 +103,13 @@ def assemble(
             a, b = _transposed_view(b), _transposed_view(a)
             rec["written_on"] = target
         if relocate and embedding:
+            if target.rsplit(".", 1)[-1] not in PEFT_TIED_EMBEDDINGS:
+                raise InputError(
+                    f"--format peft: the input embedding {target!r} is tied to the output layer, but PEFT "
+                    f"ties an embedding's LoRA to the output layer only for modules named "
+                    f"{' or '.join(PEFT_TIED_EMBEDDINGS)}, so the loaded adapter would update the input "
+                    "embedding alone; write a full checkpoint"
+                )
             tied_lora = True
         ranks[target] = int(rec["rank"])
         key_a, key_b = lora_keys(target, embedding)
@@ -123,6 +134,15 @@ def assemble(
             "--format peft: the tied embeddings change in a way that is not low-rank, and PEFT cannot keep "
             "a whole copy of them tied (modules_to_save); write a full checkpoint"
         )
+    model_type = (base.config() or {}).get("model_type")
+    for m in sorted({*ranks, *modules_to_save}):
+        loaded = loaded_module_name(m, model_type)
+        if loaded is not None:
+            raise InputError(
+                f"--format peft: module {m!r} is not a module of the model transformers 5 loads (it has "
+                f"{loaded} instead), and PEFT applies an adapter to the loaded model's modules; write a "
+                "full checkpoint"
+            )
     check_modules_to_save(sorted(modules_to_save), modules)
     for m in sorted(modules_to_save):
         for n, info in base.tensors.items():

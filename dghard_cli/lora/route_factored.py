@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING
+from dghard_cli.architecture import OUTPUT_HEAD, POSITION_TABLE, VOCAB_EMBEDDING
 from dghard_cli.engine.ops import JobInputs, TensorOp, base_record, passthrough
 from dghard_cli.engine.pipeline import EngineOptions
 from dghard_cli.engine.plan import Plan, TensorJob
@@ -180,7 +180,8 @@ def _factored_unit(
         blocks = passthrough(job64, src, rec, "base" if job.action == "kept-base" else "ft0")
     shape = tuple(job.shape)
     out_dt = torch_dtype(job.out_dtype)
-    lora_able = len(shape) == 2 and job.name.endswith(".weight")
+    # a position/token-type table is an nn.Embedding that PEFT cannot take a Linear LoRA of: whole
+    lora_able = len(shape) == 2 and job.name.endswith(".weight") and not POSITION_TABLE.search(job.name)
     tall = lora_able and shape[0] >= shape[1]
     value = None if lora_able else torch.empty(shape, dtype=out_dt)
     store = DeltaStore(scratch, shape, spill=tall and math.prod(shape) * 4 > SPILL_BYTES)

@@ -303,8 +303,16 @@ class AdapterStage:
 
 
 def check_modules_to_save(modules_to_save: list[str], modules: set[str]) -> None:
-    """PEFT wraps every module whose name *ends with* an entry: each entry must pick one."""
+    """PEFT wraps every module whose name *ends with* an entry: each entry must pick one; and it
+    saves and loads a wrapped module with every module inside it: an entry must hold none."""
     for entry in modules_to_save:
+        inner = sorted(m for m in modules if m.startswith(entry + "."))
+        if inner:
+            raise InputError(
+                f"--format peft: module {entry!r} would be written whole (modules_to_save) for its own "
+                f"tensors, but PEFT would then save and load everything inside it, {inner[0]!r} too; "
+                "write a full checkpoint"
+            )
         others = [m for m in modules if m != entry and m.endswith(entry)]
         if others:
             raise InputError(
