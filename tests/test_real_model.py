@@ -108,6 +108,7 @@ def test_forgetting_bench_checks_and_splits_are_deterministic():
     items = [{"q": q} for q, _ in rb.FACTS]
     split = rb._split_items(items)
     assert len(split["val"]) + len(split["test"]) == len(items)
+
     def qs(sp):  # an item's split depends on its question alone, not on the order
         return {k: sorted(x["q"] for x in v) for k, v in sp.items()}
 
