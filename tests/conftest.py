@@ -24,6 +24,15 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parent.parent
 
+# A shell starts a background job without job control (`.ci/run > log &` in a script, nohup under
+# sh) with SIGINT ignored, and ignored signals are inherited: then no Ctrl-C the tests simulate
+# (os.kill(SIGINT), Ray's polite cancel, which raises KeyboardInterrupt in its worker only when
+# Python handles SIGINT) reaches the sweep, and the interruption tests fail ("DID NOT RAISE
+# Interrupted"). Python's own handler, as in a terminal; children started from here then get
+# SIGINT's default again (a handled signal is reset on exec, an ignored one is not).
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 #: What click prints as the program in usage lines of ``python -m dghard_cli``.
 PROG_NAME = "python -m dghard_cli"

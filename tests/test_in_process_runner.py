@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import run_dghard, run_dghard_process
+from conftest import REPO, run_dghard, run_dghard_process
 
 from dghard_cli.cli import common
 
@@ -78,3 +78,22 @@ def test_an_exception_escaping_the_command_fails_the_test_and_a_hang_times_out(m
 def test_variables_read_at_start_up_need_a_process():
     with pytest.raises(ValueError, match="HF_HUB_CACHE is read at start-up"):
         run_dghard("--version", env={"HF_HUB_CACHE": "/elsewhere"})
+
+
+def test_the_suite_handles_ctrl_c_even_when_started_in_the_background():
+    """A background job of a script starts with SIGINT ignored; the interruption tests simulate a
+    Ctrl-C and need Python's handler (they failed with "DID NOT RAISE Interrupted" there)."""
+    code = (
+        "import signal, sys; sys.path.insert(0, 'tests'); import conftest; "
+        "print(signal.getsignal(signal.SIGINT) is signal.default_int_handler)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
+    assert proc.stdout.strip() == "True", proc.stderr
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
