@@ -430,6 +430,48 @@ def test_an_interruption_while_a_candidate_is_written_keeps_what_finished_meanwh
     assert doc["budget"]["from_cache"] == len(finished)
 
 
+def test_an_evaluation_that_finished_but_hands_its_result_back_late_is_still_cached(
+    pair, tmp_path, monkeypatch
+):
+    """On a busy machine a job's thread can hand its finished evaluation back seconds after the
+    command exited; an interruption meanwhile must wait for it and cache it (a fixed 2 s window
+    lost it, and the resume evaluated it again: the flake seen at load average 6)."""
+    _reset(pair)
+    real_run, real_prepare, writes = jobs.run_command, steps.prepare, []
+    exited: list[str] = []
+
+    def slow_hand_back(*args, **kwargs):
+        res = real_run(*args, **kwargs)
+        if len(writes) >= 2 and kwargs.get("label") == writes[1]:
+            exited.append(kwargs["label"])
+            time.sleep(4.0)  # a loaded machine: the thread gets the CPU back late
+        return res
+
+    def interrupt_third_write(job):
+        if job.write is not None:
+            writes.append(job.label)
+            if len(writes) == 3:
+                deadline = time.time() + 60
+                while not exited and time.time() < deadline:  # the 2nd has exited
+                    time.sleep(0.05)
+                raise KeyboardInterrupt
+        return real_prepare(job)
+
+    monkeypatch.setattr(jobs, "run_command", slow_hand_back)
+    monkeypatch.setattr(steps, "prepare", interrupt_third_write)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted):
+        _run(pair, out, monkeypatch, jobs=2)
+    assert exited == writes[1:2]
+    finished = {r["name"] for r in _log(pair)}
+    monkeypatch.setattr(jobs, "run_command", real_run)
+    monkeypatch.setattr(steps, "prepare", real_prepare)
+    (pair.root / "wrap.jsonl").unlink()
+    doc = _run(pair, out, monkeypatch, jobs=2)
+    assert not finished & {r["name"] for r in _log(pair)}  # none evaluated again
+    assert doc["budget"]["from_cache"] == len(finished) == 4  # BASE, FT and the two candidates
+
+
 def test_an_evaluation_that_ignores_sigterm_is_killed_and_its_thread_returns(tmp_path):
     from dghard_cli.sweep import evaluate
 

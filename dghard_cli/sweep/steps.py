@@ -60,6 +60,13 @@ from dghard_cli.sweep.jobs import (
 DISK_HEADROOM = 64 * 1024 * 1024
 #: How long the scheduler sleeps between checks while it waits (seconds).
 POLL_S = 0.5
+#: After an interruption, how long the scheduler waits for the jobs running in this process to
+#: hand back their results (their evaluations are being taken down, so each returns within the
+#: kill grace period; one that had finished is cached). A fixed 2 s lost finished evaluations on
+#: a busy machine, where a thread handed back its result later: the resume evaluated them again.
+COLLECT_AFTER_INTERRUPT_S = 30.0
+#: The same for a remote executor, whose jobs are cancelled instead.
+COLLECT_REMOTE_S = 2.0
 
 
 def _slug(text: str) -> str:
@@ -159,7 +166,7 @@ class EvaluationSteps:
             # evaluations still running are stopped (their jobs fail, uncached); what finished
             # meanwhile (while this thread wrote a candidate) is collected and cached for the resume
             terminate_running(wait=KILL_GRACE_S + 1)
-            deadline = time.monotonic() + 2.0
+            deadline = time.monotonic() + (COLLECT_REMOTE_S if self.remote else COLLECT_AFTER_INTERRUPT_S)
             with contextlib.suppress(Exception):
                 while flight and time.monotonic() < deadline:
                     for handle, result in self.executor.wait(list(flight), 0.2):
