@@ -439,6 +439,28 @@ def test_overflowing_result_is_refused_not_written(tmp_path):
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("method", ["tsv", "iso-c", "iso-cts"])
+@pytest.mark.parametrize("dtype,wider", [("bf16", "fp32"), ("fp32", "fp64"), ("fp64", None)])
+def test_alpha_at_the_top_of_the_float_range_is_a_refusal_with_a_hint_that_helps(
+    tmp_path, models, method, dtype, wider
+):
+    """α = 1e308 passes the α >= 0 check; the merged update then overflows. iso-c reported it
+    as "the merge produced NaN/Inf" (exit 3, as an internal failure), and every method advised
+    "--dtype fp32" to a float32 or float64 output."""
+    res = run_dghard(
+        "merge", "--method", method, "--alpha", "1e308", models["base"], *models["fts"],
+        "--out", tmp_path / "o", "--device", "cpu", "--dtype", dtype, "--quiet",
+    )  # fmt: skip
+    line = res.stderr.strip()
+    assert res.returncode == 2 and len(line.splitlines()) == 1, res.stderr
+    assert "lower the strengths" in line and "--alpha" in line
+    if "float64 from finite inputs" in line or wider is None:  # no wider dtype would help
+        assert "wider output" not in line
+    else:
+        assert f"exceed {dtype.upper().replace('FP', 'F')}'s range" in line and f"--dtype {wider}" in line
+    assert not (tmp_path / "o").exists()
+
+
 def ill_conditioned_delta() -> torch.Tensor:
     """A 64 × 32 float64 delta with singular values from 1 down to 3e-6 (logspace 0 to −5.5)."""
     g = torch.Generator().manual_seed(3)

@@ -253,3 +253,31 @@ def test_a_refused_float32_candidate_says_to_use_the_sweeps_dtype_and_bf16_write
     # (no expert moved it) in % repair as the share of the base's level kept (50 of 50)
     assert doc["scoring"]["unchanged_in_repair"] is True
     assert abs(row["retention"] - (60 - 40) / (70 - 40) * 100) < 1e-9 and abs(row["repair"] - 100.0) < 1e-9
+
+
+def test_a_methods_grid_of_its_own_is_searched_as_given_or_refused_never_replaced():
+    """A `methods:` entry is what the user asked for: a negative α was dropped from its grid
+    (or, with a negative range, the method dropped) and α beyond the declared 3 replaced by
+    values inside it, silently."""
+    from dghard_cli.sweep.candidate_file import parse_candidates
+
+    def entry(spec: dict):
+        doc = {"merges": {"grid": [0.3], "range": [0.1, 1.5], "methods": {"tsv": spec}}}
+        entries = parse_candidates(doc, "c.yaml")
+        return next(e for e in entries if e.family == "tsv")
+
+    for spec in ({"grid": [-1.0, 1.0], "range": [-2.0, 3.0]}, {"grid": [-1.5], "range": [-2.0, -1.0]}):
+        with pytest.raises(
+            InputError, match=r"methods: tsv: range \[-2, .*\] reaches below alpha's lowest value 0"
+        ):
+            entry(spec)
+    e = entry({"grid": [1.0e300], "range": [0.5, 1.7976931348623157e308]})
+    assert e.grid == [1.0e300] and e.range == (0.5, 1.7976931348623157e308)
+    e = entry({"grid": [1.0, 4.0], "range": [0.5, 5.0]})
+    assert e.grid == [1.0, 4.0] and e.range == (0.5, 5.0)
+    e = entry({"grid": [1.0]})  # no range of its own: the block's, inside the declared one
+    assert e.grid == [1.0] and e.range == (0.1, 1.5)
+    with pytest.raises(InputError, match="methods: recall has no strength"):
+        parse_candidates(
+            {"merges": {"grid": [0.3], "range": [0.1, 1.5], "methods": {"recall": {"grid": [1.0]}}}}, "c.yaml"
+        )

@@ -109,9 +109,24 @@ def base_record(job: TensorJob) -> dict:
 
 #: What the user can change when computed values leave the output dtype's range.
 STRENGTH_HINT = (
-    "lower the strengths (--lambda, --alpha, --weights, a layer schedule's or a recipe's "
-    "weight/strength), or write a wider output (--dtype fp32)"
+    "lower the strengths (--lambda, --alpha, --weights, a layer schedule's or a recipe's weight/strength)"
 )
+#: The next wider output dtype (its --dtype spelling); float64 has none.
+_WIDER = {
+    "BF16": "fp32",
+    "F16": "fp32",
+    "F32": "fp64",
+    "bfloat16": "fp32",
+    "float16": "fp32",
+    "float32": "fp64",
+}
+
+
+def strength_hint(dtype: object) -> str:
+    """:data:`STRENGTH_HINT`, and a wider output where one exists above ``dtype`` (the output's
+    safetensors name or a torch dtype): "--dtype fp32" was advised to a float32 output."""
+    wider = _WIDER.get(str(dtype).removeprefix("torch."))
+    return STRENGTH_HINT + (f", or write a wider output (--dtype {wider})" if wider else "")
 
 
 class OutputRangeError(InputError):
@@ -135,7 +150,7 @@ def cast_out(t: torch.Tensor, out_dtype: str, name: str = "") -> torch.Tensor:
         big = float(t.abs().max())
         raise OutputRangeError(
             f"tensor {name!r}: computed values reach {big:.4g}, beyond {out_dtype}'s range "
-            f"({torch.finfo(target).max:.4g}); {STRENGTH_HINT}"
+            f"({torch.finfo(target).max:.4g}); {strength_hint(out_dtype)}"
         )
     return out
 

@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.ops import STRENGTH_HINT, JobInputs, OutputRangeError, cast_out
+from dghard_cli.engine.ops import JobInputs, OutputRangeError, cast_out, strength_hint
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.methods import ties as T
@@ -441,7 +441,7 @@ class ElementwiseMergeOp:
                 # every input and delta is finite here (checked above): the strengths overflow
                 raise OutputRangeError(
                     f"tensor {job.name!r}: the merge's weighted deltas overflow {wd} from finite "
-                    f"inputs; {STRENGTH_HINT}"
+                    f"inputs; {strength_hint(wd)}"
                 )
             merged_sq += msq
             out = cast_out(merged.add_(b).cpu(), job.out_dtype, job.name)

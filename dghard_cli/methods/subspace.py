@@ -44,9 +44,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dghard_cli.engine.ops import JobInputs, cast_out, passthrough
+from dghard_cli.engine.ops import JobInputs, cast_out, passthrough, strength_hint
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
-from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
 from dghard_cli.lora.view import ComputedTensorInfo
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
@@ -255,12 +255,17 @@ class TallBlocks:
         for b, xs in self:
             out = b.addmm_(left(xs), k) if k.shape[0] else b
             if not bool(torch.isfinite(out).all()):
-                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
+                # the inputs are finite here (the plan refused non-finite ones): the strength
+                # overflowed (iso-c with --alpha 1e308 reported "the merge produced NaN/Inf", exit 3)
+                raise InputError(
+                    f"tensor {job.name!r}: the merged update overflows {out.dtype} from finite inputs; "
+                    f"{strength_hint(out.dtype)}"
+                )
             cast = out.to(out_dtype)
             if not bool(torch.isfinite(cast).all()):
                 raise InputError(
-                    f"tensor {job.name!r}: the merged values exceed {job.out_dtype}'s range; lower --alpha "
-                    "or write a wider output (--dtype fp32)"
+                    f"tensor {job.name!r}: the merged values exceed {job.out_dtype}'s range; "
+                    f"{strength_hint(job.out_dtype)}"
                 )
             if full is None:
                 yield cast.cpu()

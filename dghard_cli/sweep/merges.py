@@ -9,7 +9,8 @@ one rule over the merge-method registry (:mod:`dghard_cli.methods.registry`):
    first sweep axis (``alpha`` of a method that declares ``sweep_axes=("alpha", ...)``) — with
    the block's ``grid`` (small strengths first) and ``range`` — or the method's own under
    ``methods:`` (the subspace merges' α, whose merged update does not add up as summed task
-   vectors do) — clipped to the axis's declared range. A method added to the registry with
+   vectors do). The block's are clipped to the axis's declared range; a method's own are
+   searched as given, and refused (exit 2) below the axis's lowest value. A method added to the registry with
    ``sweep_axes`` joins without any change here.
 2. **Follow-ups**, once the strength search has had its share of the budget (all but a
    quarter of the candidate evaluations) or has nothing left to try: for the best merge so
@@ -116,7 +117,22 @@ def parse_block(raw: object, where: str) -> MergesBlock:
             raise InputError(f"{at}: methods: {name!r} is not a merge method ({', '.join(known)})")
         if not isinstance(spec, dict) or any(k not in METHOD_KEYS for k in spec):
             raise InputError(f"{at}: methods: {name}: expected a mapping with 'grid' and optionally 'range'")
-        own[name] = _grid_and_range(spec, f"{at}: methods: {name}", (lo, hi))
+        m = registry.methods()[name]
+        if m not in swept_methods([]):
+            raise InputError(f"{at}: methods: {name} has no strength the merges block sweeps")
+        axis = strength_axis(m)
+        declared = m.sweep_range(registry.params()[axis])
+        default = (lo, hi) if declared is None else (max(lo, declared[0]), min(hi, declared[1]))
+        g, r = _grid_and_range(spec, f"{at}: methods: {name}", default)
+        if declared is not None and r[0] < declared[0]:
+            # a grid and range of its own are what the user asked for: searched as given (past
+            # the declared top, as a family entry's own range), never clipped or dropped; below
+            # the declared bottom is a value the method refuses (a negative scale)
+            raise InputError(
+                f"{at}: methods: {name}: range [{r[0]:g}, {r[1]:g}] reaches below {axis}'s lowest "
+                f"value {declared[0]:g}"
+            )
+        own[name] = (g, r)
     exclude = raw.get("exclude", []) or []
     if not isinstance(exclude, list) or not all(isinstance(x, str) for x in exclude):
         raise InputError(f"{at}: 'exclude' must be a list of merge method names")
@@ -155,9 +171,12 @@ def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
     par = registry.params()
     for m in swept_methods(block.exclude):
         axis = strength_axis(m)
-        want_grid, want = block.methods.get(m.name, (block.grid, block.range))
-        own = m.sweep_range(par[axis]) or want
-        lo, hi = max(want[0], own[0]), min(want[1], own[1])
+        if m.name in block.methods:  # its own grid and range, checked by parse_block: as given
+            want_grid, (lo, hi) = block.methods[m.name]
+        else:  # the block's, clipped to the method's declared range
+            want_grid, want = block.grid, block.range
+            own = m.sweep_range(par[axis]) or want
+            lo, hi = max(want[0], own[0]), min(want[1], own[1])
         if not lo < hi:
             continue  # the method's strength axis does not meet the block's range
         grid = [g for g in want_grid if lo <= g <= hi] or [lo + (hi - lo) / 2]
