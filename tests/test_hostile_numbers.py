@@ -501,3 +501,56 @@ def test_disk_full_while_taking_the_lock_is_exit_3_not_a_bad_out(pair, tmp_path,
     monkeypatch.setattr(lock.os, "open", full)
     msg = one_line_error(invoke("repair", base, ft, tmp_path / "out"), code=3)
     assert "disk full while writing the lock file" in msg and "choose an OUT" not in msg
+
+
+# --- the sweep's options and candidate file -------------------------------------------------------
+
+
+def test_a_device_index_of_thousands_of_digits_is_refused_not_an_internal_error(pair, tmp_path):
+    """--devices of 5000 digits hit Python's integer-string limit: "internal error: ValueError"."""
+    base, ft = pair
+    r = invoke("sweep", base, ft, tmp_path / "o", "--eval", "true {model} {output}", "--devices", "9" * 5000)
+    assert "a 5000-digit index" in one_line_error(r)
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    "text,why",
+    [
+        ("families:\n  - family: hard\n    grid: [" + "9" * 5000 + "]\n", "integer string conversion"),
+        ("families:\n  - family: hard\n    when: 2024-13-45\n", "month must be in 1..12"),
+        ("merges:\n  grid: [1" + "0" * 400 + "]\n  range: [0, 1]\n", "integer too large for a float"),
+    ],
+)
+def test_candidate_file_numbers_that_python_cannot_build_are_refused(pair, tmp_path, text, why):
+    """A YAML integer of 5000 digits or a timestamp of month 13 raised ValueError while the file
+    was built into objects (an internal error)."""
+    base, ft = pair
+    (tmp_path / "c.yaml").write_text(text)
+    args = (
+        "sweep",
+        base,
+        ft,
+        tmp_path / "o",
+        "--eval",
+        "true {model} {output}",
+        "--candidates",
+        tmp_path / "c.yaml",
+    )
+    msg = one_line_error(invoke(*args))
+    assert "c.yaml" in msg and why in msg, msg
+
+
+def test_a_merges_block_number_past_float_range_is_not_a_number():
+    """parse_block's own number check raised OverflowError on 10**400 (the file reader caught it
+    first on the command line; the library's parse_candidates did not)."""
+    from dghard_cli.errors import InputError
+    from dghard_cli.sweep.candidate_file import parse_candidates
+
+    for doc in (
+        {"families": [{"family": "hard", "grid": [10**400]}]},
+        {"merges": {"grid": [0.5], "range": [0, 1], "density": [10**400]}},
+        {"merges": {"grid": [0.5], "range": [0, 1], "lines": [[10**400, 1]]}},
+    ):
+        with pytest.raises(InputError):
+            parse_candidates(doc, "c.yaml")

@@ -200,5 +200,9 @@ def parse_yaml(
             raise InputError(
                 f"{where}: nested deeper than {max_depth} levels; refusing to process it"
             ) from None
+        except (ValueError, OverflowError) as exc:
+            # a scalar YAML resolves but Python cannot build: an integer past the interpreter's
+            # integer-string limit (5000 digits), a timestamp of month 13
+            raise InputError(f"{where}: a value that cannot be read ({str(exc).split(';')[0]})") from None
     finally:
         loader.dispose()

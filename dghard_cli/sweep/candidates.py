@@ -36,6 +36,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from dghard_cli.methods import registry
+from dghard_cli.numbers import is_finite_number
 
 #: Probes found by refinement are rounded to this many significant digits (short commands;
 #: a probe that rounds onto an evaluated value ends that family's refinement).
@@ -235,8 +236,8 @@ def round_sig(x: float, digits: int = SIGNIFICANT_DIGITS) -> float:
 
 
 def is_number(v: object) -> bool:
-    """A finite int or float (not a bool)."""
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))
+    """A finite int or float (not a bool) that a float holds (a YAML 10**400 is not a number)."""
+    return is_finite_number(v)
 
 
 #: The printed reproduction command writes to OUT + this (OUT itself holds the winner).

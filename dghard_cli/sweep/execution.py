@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import re
 
+from dghard_cli import numbers
 from dghard_cli.errors import InputError
 from dghard_cli.sweep.command import Template
 
@@ -48,7 +49,7 @@ def parse_devices(values: list[str] | None) -> list[str]:
                 raise InputError(
                     f"--devices: {d!r} is not a device index (0, 1, ...) or a GPU/MIG UUID (GPU-…, MIG-…)"
                 )
-            d = d if _UUID.match(d) else str(int(d))
+            d = d if _UUID.match(d) else str(numbers.index(d, "--devices"))
             if d in out:
                 raise InputError(f"--devices {v!r}: device {d} is given twice")
             out.append(d)

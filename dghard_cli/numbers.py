@@ -1,0 +1,39 @@
+"""Bounded readers for the numbers that options and candidate files hold.
+
+Every number a user (or a downloaded file) gives goes through one of these before arithmetic:
+an integer beyond float range (a YAML grid of 10**400), a digit string past Python's
+integer-string limit (a device index of 5000 digits), NaN and Inf are refused as bad input,
+never raised as ``OverflowError`` or ``ValueError`` from deep inside a command.
+"""
+
+from __future__ import annotations
+
+import math
+
+from dghard_cli.errors import InputError
+
+#: Digits an index (a device, a position) may have: far beyond any machine, far below the
+#: interpreter's integer-string limit.
+MAX_INDEX_DIGITS = 6
+
+
+def is_finite_number(v: object) -> bool:
+    """A finite int or float (not a bool), representable as a float (10**400 is not)."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(v))
+    except OverflowError:
+        return False
+
+
+def index(text: str, what: str) -> int:
+    """A whole number ``0 <= n < 10**MAX_INDEX_DIGITS`` written in ASCII digits; InputError
+    naming ``what`` otherwise."""
+    t = text.strip()
+    if not (t.isascii() and t.isdigit()):
+        raise InputError(f"{what}: {text!r} is not a whole number (0, 1, 2, ...)")
+    t = t.lstrip("0") or "0"
+    if len(t) > MAX_INDEX_DIGITS:
+        raise InputError(f"{what}: a {len(t)}-digit index; no machine has that many")
+    return int(t)
