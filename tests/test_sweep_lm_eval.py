@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import sys
 from pathlib import Path
@@ -185,6 +186,49 @@ def test_the_template_runs_this_interpreters_lm_eval_with_quoted_paths():
 def test_lm_eval_args_that_the_template_owns_are_refused(args, message):
     with pytest.raises(InputError, match=message):
         L.LmEvalSpec.parse("arc_easy", args)
+
+
+@pytest.mark.parametrize(
+    "args, owned",
+    [
+        ("-a=pretrained=x", "pretrained=..."),
+        ("-apretrained=x", "pretrained=..."),
+        ("--model_args dtype=x pretrained=y", "pretrained=..."),  # nargs "+": both are model_args
+        ("-oDIR", "--output_path"),
+        ("-o=DIR", "--output_path"),
+        ("--o DIR", "--output_path"),
+        ("-Mvllm", "--model"),
+        ("-wMvllm", "--model"),  # a flag joined to an option
+        ("-tTASK", "--tasks"),
+        ("--d cuda", "--device"),
+        ("-C run.yaml", "--config"),
+    ],
+)
+def test_lm_eval_args_are_read_as_lm_eval_reads_them(args, owned):
+    """lm-eval's short, glued and 3-letter spellings passed the filter (which knew long names and
+    long abbreviations): every candidate evaluated as another model, results written outside OUT,
+    tasks appended."""
+    with pytest.raises(InputError, match=re.escape(owned)):
+        L.LmEvalSpec.parse("arc_easy", args)
+
+
+def test_lm_eval_args_that_lm_eval_itself_would_refuse_are_refused_up_front():
+    with pytest.raises(InputError, match="ambiguous option: --conf"):
+        L.LmEvalSpec.parse("arc_easy", "--conf x")
+    spec = L.LmEvalSpec.parse("arc_easy", "-L 3 -adtype=float32 --include_path /tmp -sx")
+    assert spec.args == ("-L", "3", "-adtype=float32", "--include_path", "/tmp", "-sx")
+
+
+def test_a_task_that_is_a_file_must_be_a_task_yaml(tmp_path):
+    """--lm-eval notes.txt counted as a task (an existing file) and failed after evaluating."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a task\n")
+    with pytest.raises(InputError, match="a file that is not a task YAML"):
+        L.LmEvalSpec.parse(str(notes))
+    with pytest.raises(InputError, match="no such task file or directory"):
+        L.LmEvalSpec.parse(str(tmp_path / "missing.yaml"))
+    (tmp_path / "t.yaml").write_text("task: t\n")
+    assert L.LmEvalSpec.parse(f"{tmp_path / 't.yaml'},arc_*").tasks == (str(tmp_path / "t.yaml"), "arc_*")
 
 
 def test_an_unknown_task_is_refused_before_anything_runs(models, tmp_path):
