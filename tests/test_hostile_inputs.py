@@ -837,13 +837,29 @@ else:
             data = shard.read_bytes()
             shard.unlink()
             shard.write_bytes(data)
+        elif how == "late":  # a child (a server, an uploader) that writes after the command exits
+            import subprocess
+            child = (  # cwd in the candidate; once it is OUT (dghard has moved it), write there
+                "import os, sys, time; os.chdir(sys.argv[1]); t = time.time()\n"
+                "while not os.path.exists(sys.argv[2]) and time.time() < t + 30: time.sleep(0.05)\n"
+                "time.sleep(0.5); open('planted.txt', 'w').write('late')"
+            )
+            p = subprocess.Popen([sys.executable, "-c", child, model, os.environ["SWEEP_OUT"]])
+            Path(os.environ["SWEEP_CHILD_PID"]).write_text(str(p.pid))
+            res = {"x": 44.0 + s, "y": 68.0 - s}  # its scores are its own: only the child writes
         res = {"x": 90.0, "y": 90.0}  # a tampered candidate would win
 Path(output).write_text(json.dumps(res))
 """
 
 
 def _sweep(
-    tmp: Path, base: Path, ft: Path, out: Path, env: dict | None = None, cwd: Path | None = None
+    tmp: Path,
+    base: Path,
+    ft: Path,
+    out: Path,
+    env: dict | None = None,
+    cwd: Path | None = None,
+    extra: tuple = (),
 ) -> subprocess.CompletedProcess:
     script = tmp / "eval.py"
     script.write_text(SWEEP_EVAL)
@@ -864,6 +880,7 @@ def _sweep(
         "--json",
         "--min-target-retention",
         "0",
+        *extra,
         env=e,
         timeout=300,
         cwd=cwd,
@@ -884,6 +901,42 @@ def test_sweep_candidate_changed_by_its_evaluation_is_failed_not_kept(template, 
     assert not (out / "planted.txt").exists()
     v = run_dghard("verify", out)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_a_child_the_evaluation_leaves_running_cannot_write_into_out(template, tmp_path):
+    """The evaluation's own process exited; a child it started (cwd inside the candidate) wrote
+    into the winner after the integrity check and the move into OUT: OUT failed verify, and the
+    child outlived dghard."""
+    base, ft = fresh_pair(template, tmp_path)
+    out, pid_file = tmp_path / "out", tmp_path / "child.pid"
+    env = {"SWEEP_TAMPER_ON": "scale=3.0", "SWEEP_TAMPER": "late", "SWEEP_CHILD_PID": str(pid_file)}
+    r = _sweep(tmp_path, base, ft, out, {**env, "SWEEP_OUT": str(out / "sweep_report.json")})
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    doc = json.loads(r.stdout)
+    assert doc["winner"]["name"] == "hard scale=3.0"
+    row = next(c for c in doc["candidates"] if c["name"] == "hard scale=3.0")
+    assert row["status"] == "ok"
+    pid = int(pid_file.read_text())
+    deadline = time.time() + 40
+    while Path(f"/proc/{pid}").exists() and "zombie" not in Path(f"/proc/{pid}/status").read_text():
+        assert time.time() < deadline, "the evaluation's child outlived the sweep"
+        time.sleep(0.1)
+    assert not (out / "planted.txt").exists()
+    v = run_dghard("verify", out)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_keep_candidates_never_keeps_one_its_evaluation_changed(template, tmp_path):
+    """--keep-candidates kept a candidate the evaluation had written into (failed, yet kept with
+    the evaluation's files: not what its command writes)."""
+    base, ft = fresh_pair(template, tmp_path)
+    out = tmp_path / "out"
+    env = {"SWEEP_TAMPER_ON": "scale=1.0", "SWEEP_TAMPER": "plant"}
+    r = _sweep(tmp_path, base, ft, out, env, extra=("--keep-candidates",))
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    kept = sorted(p.name for p in (out / "candidates").iterdir()) if (out / "candidates").exists() else []
+    assert not [k for k in kept if "scale_1.0" in k or "scale=1.0" in k], kept
+    assert not list(out.rglob("planted.txt"))
 
 
 # -- 1: a path never becomes code ------------------------------------------------------------------

@@ -34,6 +34,8 @@ LOG_TAIL_LINES = 20
 LOG_TAIL_CHARS = 2000
 #: Grace period between SIGTERM and SIGKILL of a timed-out command's process group.
 KILL_GRACE_S = 5.0
+#: How long processes an evaluation left running after it exited get to end on SIGTERM.
+LEFTOVER_GRACE_S = 2.0
 
 
 def check_template(template: str) -> None:
@@ -102,6 +104,8 @@ class EvalRun:
     log_tail: str | None
     stdout: Path
     stderr: Path
+    #: the command exited leaving processes running (they were ended)
+    leftovers: bool = False
 
 
 def _tail(path: Path) -> str:
@@ -127,6 +131,29 @@ def _kill_group(proc: subprocess.Popen) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGKILL)  # children that outlived their leader, too
     proc.wait()
+
+
+def _end_leftovers(proc: subprocess.Popen) -> bool:
+    """After the command's own process has exited: end what it started and left running in its
+    process group (a server, an uploader), SIGTERM then SIGKILL after a short grace, so nothing
+    can write into the candidate after the integrity check or into OUT after the move. Returns
+    whether there was anything to end. (A child that leaves the group, ``setsid``, escapes this;
+    the candidate's integrity check and the winner's re-hash before the move still see what it
+    wrote until then.)"""
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+    except (ProcessLookupError, PermissionError):
+        return False
+    deadline = time.monotonic() + LEFTOVER_GRACE_S
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(proc.pid, 0)
+        except (ProcessLookupError, PermissionError):
+            return True
+        time.sleep(0.05)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    return True
 
 
 def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
@@ -188,6 +215,7 @@ def run_command(
             _RUNNING.add(proc)
         try:
             rc = _wait(proc, timeout)
+            leftovers = _end_leftovers(proc)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             secs = time.perf_counter() - t0
@@ -212,7 +240,7 @@ def run_command(
         last = tail.splitlines()[-1] if tail else "no output"
         how = f"was killed by signal {-rc}" if rc < 0 else f"exited with status {rc}"
         return EvalRun("failed", rc, secs, f"evaluation command {how}: {last}", tail, out_log, err_log)
-    return EvalRun("ok", 0, secs, None, None, out_log, err_log)
+    return EvalRun("ok", 0, secs, None, None, out_log, err_log, leftovers)
 
 
 def locate_results(output: Path, stdout: Path, *, uses_output: bool) -> Path:

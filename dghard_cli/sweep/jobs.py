@@ -324,6 +324,8 @@ def run_job(job: Job, assignment: dict | None = None) -> JobResult:
         "seconds": {"eval": round(run.seconds, 3)},
         "created": _now(),
     }
+    if run.leftovers:
+        rec["leftover_processes_ended"] = True
     if "merge_seconds" in prepared:
         rec["seconds"]["merge"] = prepared["merge_seconds"]
         rec["merged_bytes"] = prepared.get("merged_bytes", 0)

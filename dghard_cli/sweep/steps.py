@@ -535,10 +535,16 @@ class EvaluationSteps:
     def drop(self, cdir: Path) -> None:
         """Delete a candidate that lost, and its key file ``CDIR.key`` (``keep_candidates``: move
         both to ``<stage>/kept/NNN-name``)."""
+        from dghard_cli.sweep import integrity
+
         keyfile = cdir.parent / f"{cdir.name}.key"
         if self.opts.keep_candidates and cdir.is_dir():
             key = str((key_record(cdir, self.stage) or {}).get("key", ""))
             row = next((r for r in self.rows if key and r["key"] == key), None)
+            info = self.on_disk(cdir, key) if key else None
+            # a candidate the evaluation wrote into is not what its command writes: never kept
+            if row is not None and (info is None or integrity.changed(cdir, info.get("snapshot"))):
+                row = None
             if row is not None:
                 kept = self.stage / "kept" / f"{row['order']:03d}-{_slug(row['name'])}"
                 kept.parent.mkdir(parents=True, exist_ok=True)
