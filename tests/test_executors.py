@@ -277,3 +277,87 @@ def test_ray_private_cluster_is_loopback_and_closed():
     assert "RESULT 36" in proc.stdout, proc.stdout + proc.stderr
     assert "NODES ['127.0.0.1'] 2.0" in proc.stdout
     assert "CLOSED False" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "address", ["http://127.0.0.1:8265", "https://head:8265/#/overview", "file:///tmp/ray"]
+)
+def test_a_url_of_another_scheme_is_refused_before_anything_connects(address):
+    """A pasted dashboard URL was looked up as a host named 'http' ("cannot resolve host")."""
+    from dghard_cli.sweep.executors import _probe, check_address_form
+
+    for fn in (check_address_form, _probe):
+        with pytest.raises(InputError, match=r"is not a Ray address.*HOST:PORT"):
+            fn(address)
+
+
+def test_a_service_that_is_not_ray_is_refused_within_seconds():
+    """A port that answers but is no Ray GCS took ~27 s and 7 lines of Ray's warnings."""
+    import socket
+    import threading
+
+    from dghard_cli.sweep.executors import _probe
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(4)
+    port = srv.getsockname()[1]
+
+    def serve() -> None:  # an HTTP/1 server: reads the request, answers 400, closes
+        while True:
+            try:
+                conn, _ = srv.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(64)
+                conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+
+    threading.Thread(target=serve, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(InputError, match="answers but is not a Ray cluster"):
+            _probe(f"127.0.0.1:{port}")
+        assert time.monotonic() - t0 < 6
+    finally:
+        srv.close()
+
+
+def test_auto_resolves_ray_address_and_refuses_a_dead_one_fast():
+    """`auto` with a dead RAY_ADDRESS went through Ray's own retries (~27 s)."""
+    t0 = time.monotonic()
+    proc = _fresh_python("""
+        import os
+        os.environ["RAY_ADDRESS"] = "127.0.0.1:1"
+        from dghard_cli.errors import InputError
+        from dghard_cli.sweep.executors import RayExecutor
+        try:
+            RayExecutor(print, 1, print, address="auto", resources={"CPU": 1.0})
+        except InputError as exc:
+            print("INPUT-ERROR", exc)
+        """)
+    assert time.monotonic() - t0 < 30
+    line = proc.stdout.strip().splitlines()[-1]
+    assert line.startswith("INPUT-ERROR --ray-address") and "127.0.0.1:1" in line and "refused" in line, (
+        proc.stdout + proc.stderr
+    )
+
+
+def test_an_explicit_address_is_the_one_contacted_whatever_ray_address_says(monkeypatch):
+    """Ray reads RAY_ADDRESS over the address passed to ray.init: a --ray-address was ignored."""
+    from dghard_cli.sweep import executors
+
+    seen = {}
+
+    class FakeRay:
+        @staticmethod
+        def init(address, **kw):
+            seen["address"], seen["env"] = address, os.environ.get("RAY_ADDRESS")
+
+    monkeypatch.setenv("RAY_ADDRESS", "10.9.9.9:6379")
+    monkeypatch.setattr(executors, "_probe", lambda a: None)
+    ex = executors.RayExecutor.__new__(executors.RayExecutor)
+    ex.slots, ex._owns = 1, False
+    ex._connect(FakeRay, "head.example:6379", None)
+    assert seen == {"address": "head.example:6379", "env": None}
+    assert os.environ["RAY_ADDRESS"] == "10.9.9.9:6379"

@@ -102,9 +102,11 @@ def plan_execution(opts) -> tuple[int, list[str]]:  # noqa: ANN001 - SweepOption
                 "--devices is for the local executor; on Ray give each evaluation its GPUs with "
                 "--eval-resources gpu=1 (Ray sets CUDA_VISIBLE_DEVICES for it)"
             )
-        from dghard_cli.sweep.executors import parse_resources
+        from dghard_cli.sweep.executors import check_address_form, parse_resources
 
         parse_resources(opts.eval_resources or "")
+        if opts.ray_address is not None:
+            check_address_form(opts.ray_address)
     else:
         if opts.ray_address is not None:
             raise InputError("--ray-address needs --executor ray")

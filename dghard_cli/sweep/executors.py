@@ -197,10 +197,67 @@ _CONNECT_ENV = {
 _PROBE_TIMEOUT_S = 5.0
 
 
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+#: The HTTP/2 connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS, the Ray
+#: Client server) answers with a SETTINGS frame of its own; anything else (a dashboard, Redis, a
+#: web server) does not.
+_H2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+
+def check_address_form(address: str) -> None:
+    """Before anything connects: a URL of another scheme (a pasted dashboard ``http://HOST:8265``,
+    ``file://``) was looked up as a host named after the scheme."""
+    m = _SCHEME.match(address)
+    if m and m.group(1).lower() != "ray":
+        raise InputError(
+            f"--ray-address {address!r}: a {m.group(1)}:// URL is not a Ray address; give the "
+            "cluster's HOST:PORT (its GCS, port 6379 by default), ray://HOST:10001 (Ray Client) or "
+            "auto (a dashboard URL, http://HOST:8265, is neither)"
+        )
+
+
+def resolve_auto() -> str:
+    """What ``auto`` means, as Ray resolves it (RAY_ADDRESS, else the cluster ``ray start`` last
+    started here); InputError when there is none."""
+    from ray._private import services
+
+    env = os.environ.get("RAY_ADDRESS", "").strip()
+    if env:
+        check_address_form(env)
+        return env
+    try:
+        found = services.get_ray_address_from_environment("auto", None)
+    except ConnectionError:
+        found = None
+    if not found or found == "auto":
+        raise InputError(
+            "--ray-address auto: no running Ray cluster found here (RAY_ADDRESS is unset and "
+            "`ray start` has started none); give the cluster's HOST:PORT"
+        )
+    return str(found)
+
+
+def _speaks_grpc(sock: socket.socket) -> bool:
+    try:
+        sock.settimeout(_PROBE_TIMEOUT_S)
+        sock.sendall(_H2_PREFACE)
+        head = b""
+        while len(head) < 9:
+            chunk = sock.recv(9 - len(head))
+            if not chunk:
+                return False
+            head += chunk
+    except OSError:
+        return False
+    return head[3] == 0x04  # a SETTINGS frame
+
+
 def _probe(address: str) -> None:
-    """Fail fast on an address nothing listens on (Ray itself retries for minutes)."""
+    """Fail fast on an address nothing listens on, or where something other than a Ray cluster
+    answers (Ray itself retries for minutes, or ~25 s with the bounds above)."""
     if address == "auto" or address.startswith("local"):
         return
+    check_address_form(address)
     client = address.startswith("ray://")
     rest = address[len("ray://") :] if client else address
     rest = rest.split("/", 1)[0]
@@ -218,8 +275,8 @@ def _probe(address: str) -> None:
     if not host:
         raise InputError(f"--ray-address {address!r}: no host (expected HOST:PORT, ray://HOST:PORT or auto)")
     try:
-        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S):
-            pass
+        with socket.create_connection((host, port), timeout=_PROBE_TIMEOUT_S) as sock:
+            grpc = _speaks_grpc(sock)
     except socket.gaierror as exc:
         raise InputError(
             f"--ray-address {address!r}: cannot resolve host {host!r} ({exc.strerror})"
@@ -231,6 +288,12 @@ def _probe(address: str) -> None:
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise InputError(f"--ray-address {address!r}: cannot connect to {host}:{port} ({reason})") from None
+    if not grpc:
+        raise InputError(
+            f"--ray-address {address!r}: {host}:{port} answers but is not a Ray cluster (no gRPC "
+            "server there); give the GCS port (6379 by default) or ray://HOST:10001, not the "
+            "dashboard's or another service's"
+        )
 
 
 def _first_line(exc: BaseException) -> str:
@@ -340,11 +403,19 @@ class RayExecutor:
                     constants.ENABLE_RAY_CLUSTER = saved
             self._owns = True
             return
+        given = address
+        if address == "auto":
+            address = resolve_auto()
         _probe(address)
+        # only the address the user gave is contacted: Ray reads RAY_ADDRESS over an explicit one
+        saved = os.environ.pop("RAY_ADDRESS", None)
         try:
             ray.init(address=address, runtime_env=runtime_env, **quiet)
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
-            raise InputError(f"--ray-address {address!r}: {_first_line(exc)}") from None
+            raise InputError(f"--ray-address {given!r}: {_first_line(exc)}") from None
+        finally:
+            if saved is not None:
+                os.environ["RAY_ADDRESS"] = saved
         self._owns = True
 
     def _check_resources(self, ray: Any, wanted: dict[str, float], where: str) -> None:
