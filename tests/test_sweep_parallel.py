@@ -47,6 +47,10 @@ if how == "always" or (how == "once" and not marker.exists()):
         if Path(f"/proc/{pid}/cmdline").read_bytes().startswith(b"ray::"):
             os.kill(pid, 9)
             time.sleep(60)
+rm = os.environ.get("WRAP_RM_STAGE_ON")  # a hostile evaluation: deletes the sweep's staging directory
+if rm and rm in rec["name"]:
+    import shutil
+    shutil.rmtree(stage, ignore_errors=True)
 hang = os.environ.get("WRAP_HANG_ON")
 if hang and hang in rec["name"]:
     (root / "hanging").write_text(str(os.getpid()))
@@ -470,6 +474,21 @@ def test_an_evaluation_that_finished_but_hands_its_result_back_late_is_still_cac
     doc = _run(pair, out, monkeypatch, jobs=2)
     assert not finished & {r["name"] for r in _log(pair)}  # none evaluated again
     assert doc["budget"]["from_cache"] == len(finished) == 4  # BASE, FT and the two candidates
+
+
+def test_an_evaluation_that_deletes_the_staging_directory_stops_the_sweep_with_one_clear_error(
+    pair, tmp_path, monkeypatch
+):
+    """With --jobs 2 the deletion made a write fail on a vanished path ("writing ...: No such file
+    or directory") and another candidate be reported as "interrupted"."""
+    _reset(pair)
+    monkeypatch.setenv("WRAP_RM_STAGE_ON", "soft scale=0.5")
+    monkeypatch.setenv("WRAP_SLEEP", "0.3")
+    with pytest.raises(
+        RuntimeFailure, match="staging directory .* was removed or replaced while the sweep ran"
+    ):
+        _run(pair, tmp_path / "out", monkeypatch, jobs=2)
+    assert not (tmp_path / "out").exists()
 
 
 def test_an_evaluation_that_ignores_sigterm_is_killed_and_its_thread_returns(tmp_path):

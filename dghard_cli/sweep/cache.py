@@ -41,6 +41,12 @@ class Cache:
     def __init__(self, root: Path) -> None:
         self.dir = root / "cache"
         self.dir.mkdir(parents=True, exist_ok=True)
+        #: the records this run has read or written: they must stay (:meth:`missing`)
+        self.held: set[Path] = set()
+
+    def missing(self) -> list[Path]:
+        """Records this run read or wrote that are no longer there (something deleted them)."""
+        return sorted(p for p in self.held if not p.is_file())
 
     def get(self, key: str) -> dict | None:
         path = self.dir / f"{key}.json"
@@ -52,6 +58,7 @@ class Cache:
             return None
         if rec.get("results") and not (self.dir / rec["results"]).is_file():
             return None
+        self.held.add(path)
         return rec
 
     def put(self, key: str, rec: dict, results: Path | None) -> dict:
@@ -63,6 +70,7 @@ class Cache:
         else:
             rec["results"] = None
         write_json(self.dir / f"{key}.json", rec)
+        self.held.add(self.dir / f"{key}.json")
         return rec
 
     def results_path(self, rec: dict) -> Path | None:

@@ -467,6 +467,8 @@ class _Sweep(EvaluationSteps, SweepReport):
             started = self.stage.exists()
             self.stage.mkdir(parents=True, exist_ok=True)
             self.cache = Cache(self.stage)
+            st = os.stat(self.stage)
+            self.stage_identity = (st.st_dev, st.st_ino)
             if started:
                 self.emit(kind="info", message=f"resuming: reusing the evaluations cached in {self.stage}")
             try:

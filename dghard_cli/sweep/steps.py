@@ -80,6 +80,26 @@ class EvaluationSteps:
     def job_dir(self, key: str) -> Path:
         return self.stage / "jobs" / key
 
+    def check_stage(self) -> None:
+        """RuntimeFailure (exit 3) when the staging directory is gone or replaced since the sweep
+        began: an evaluation that deleted it left writes failing on vanished paths (an internal
+        error) and evaluations in flight reported as "interrupted"."""
+        want = getattr(self, "stage_identity", None)
+        try:
+            st = os.stat(self.stage)
+            cache_ok = (self.stage / "cache").is_dir()
+        except OSError:
+            st, cache_ok = None, False
+        if want is None or (
+            st is not None and (st.st_dev, st.st_ino) == want and cache_ok and not self.cache.missing()
+        ):
+            return
+        raise RuntimeFailure(
+            f"the sweep's staging directory {self.stage} was removed or replaced while the sweep ran "
+            "(by an evaluation command?); its cached evaluations are gone",
+            hint="make the evaluation leave the directories above {model} alone, and run the same command again",
+        )
+
     @property
     def remote(self) -> bool:
         return bool(getattr(self.executor, "remote", False))
@@ -129,6 +149,7 @@ class EvaluationSteps:
             free.append(slot)
             free.sort()
             self.running.pop(job.key, None)
+            self.check_stage()
             if result.fatal:
                 raise RuntimeFailure(
                     result.fatal, hint="free space (or fix the cause) and run the same command again"
@@ -142,12 +163,16 @@ class EvaluationSteps:
                     if job.write is not None and not self._fits(job, flight):
                         break  # wait for a running evaluation to free its candidate's space
                     queue.pop(0)
+                    self.check_stage()
                     if not self.remote and job.prepared is None:
                         try:  # written (or merged) here, in the main thread, one at a time
                             job = replace(job, prepared=prepare(job))
                         except InputError as exc:
                             on_done(job, prepare_failure(job, exc, remote=False))
                             continue
+                        except (OSError, RuntimeFailure):
+                            self.check_stage()  # the clearer error when the stage vanished meanwhile
+                            raise
                     slot = free.pop(0)
                     assignment: dict = {"slot": slot}
                     if self.devices:
