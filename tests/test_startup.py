@@ -170,3 +170,33 @@ def test_the_console_script_repairs_the_example_with_torch_deferred(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     assert "OK" in res.stdout
+
+
+def test_an_existing_out_is_refused_before_torch_is_imported(tmp_path):
+    """Re-running the quick start paid the torch import (~3 s) to say that OUT exists."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "x").write_text("")
+    example = REPO / "examples" / "tiny"
+    lines = [
+        ["repair", str(example / "base"), str(example / "ft"), str(out)],
+        ["merge", "--method", "wise-ft", str(example / "base"), str(example / "ft"), "--out", str(out)],
+        ["sweep", str(example / "base"), str(example / "ft"), str(out), "--eval", "e {model} {output}"],
+    ]
+    res = _python(
+        f"""
+        import json, sys
+        from dghard_cli.cli import deferred, entrypoint
+        codes = []
+        for argv in {lines!r}:
+            sys.argv = ["dghard", *argv]
+            try:
+                entrypoint()
+            except SystemExit as e:
+                codes.append(e.code or 0)
+        print(json.dumps({{"codes": codes, "torch": deferred.loaded("torch")}}), file=sys.stderr)
+        """
+    )
+    doc = json.loads(res.stderr.strip().splitlines()[-1])
+    assert doc == {"codes": [2, 2, 2], "torch": False}, res.stderr
+    assert res.stderr.count("exists and is not empty; pass --overwrite to replace it") == 3, res.stderr

@@ -268,6 +268,10 @@ def merge_cmd(**kw) -> None:
     dry_run, quiet = kw["dry_run"], kw["quiet"]
 
     def body() -> dict:
+        from dghard_cli.io.out_path import precheck_out
+
+        if out is not None:
+            precheck_out(out, overwrite=kw["overwrite"])  # before seconds of imports
         from dghard_cli.engine.plan import PolicyOptions, parse_size
         from dghard_cli.engine.runner import RunOptions
         from dghard_cli.io.paths import Output, check_outputs

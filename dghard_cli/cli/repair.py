@@ -155,6 +155,9 @@ def repair_cmd(
     """Repair FT against BASE: keep the spectral spikes of every weight delta, drop the noise bulk."""
 
     def body() -> None:
+        from dghard_cli.io.out_path import precheck_out
+
+        precheck_out(out, overwrite=overwrite)  # before seconds of imports
         from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_plan, render_report
         from dghard_cli.engine.plan import PolicyOptions, parse_size
         from dghard_cli.engine.runner import RunOptions

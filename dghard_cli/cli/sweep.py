@@ -248,6 +248,9 @@ def sweep_cmd(
     printer = None if quiet else (json_lines(err) if json_out else progress_printer(err))
 
     def body() -> dict:
+        from dghard_cli.io.out_path import precheck_out
+
+        precheck_out(out, overwrite=overwrite)  # before seconds of imports
         # an evaluation given its own GPU (--devices; Ray's gpu resource) sees it as cuda:0
         from dghard_cli.sweep.execution import ray_gpus
         from dghard_cli.sweep.lm_eval import resolve
