@@ -45,6 +45,17 @@ class DocCommand:
     line: int
     text: str
     expect: int
+    shown: tuple[str, ...] = ()  # a console block's output lines under the command
+
+
+#: Output lines that differ from run to run (or machine to machine): never compared.
+VOLATILE = re.compile(
+    r"^\s*(time|peak RSS|timings?|\[dghard\]|ETA)\b|\d+(\.\d+)? s\b|MiB|MB/s|GB/s|\.\.\.|…|^\s*$"
+)
+
+
+def _norm(line: str) -> str:
+    return " ".join(line.split())
 
 
 def _logical_lines(block: list[tuple[int, str]]):
@@ -83,10 +94,16 @@ def doc_commands(path: Path) -> list[DocCommand]:
 
 def _commands_in_block(path: Path, lang: str, block: list[tuple[int, str]]) -> list[DocCommand]:
     out = []
+    shown: dict[int, list[str]] = {}
+    current = None
     for no, text in _logical_lines(block):
         if lang == "console":
             if not text.startswith("$ "):
+                if current is not None:
+                    shown[current].append(text)
                 continue  # printed output
+            current = no
+            shown[no] = []
             text = text[2:]
         expect = 0
         m = re.search(r"#\s*exit (\d+)\s*$", text)
@@ -96,7 +113,12 @@ def _commands_in_block(path: Path, lang: str, block: list[tuple[int, str]]) -> l
             part = part.strip()
             if part.startswith("dghard ") and "examples/" in part:
                 out.append(DocCommand(path.relative_to(REPO).as_posix(), no, part, expect))
-    return out
+    return [
+        DocCommand(c.page, c.line, c.text, c.expect, tuple(shown.get(c.line, ())))
+        if c.text.startswith("dghard ")
+        else c
+        for c in out
+    ]
 
 
 COMMANDS = {p.relative_to(REPO).as_posix(): doc_commands(p) for p in PAGES}
@@ -167,6 +189,14 @@ def test_page_commands_run(page, sandbox):
             f"{res.stdout[-2000:]}\n{res.stderr[-2000:]}"
         )
         sandbox["done"].add(key)
+        # the sample output shown under it is what the command prints (what does not vary)
+        printed = (res.stdout + "\n" + res.stderr).replace(f"{sandbox['tmp']}/", "/tmp/")
+        lines = [_norm(line) for line in printed.splitlines()]
+        # a line the terminal wrapped: up to 3 consecutive lines joined
+        got = {" ".join(lines[i : i + k]) for k in (1, 2, 3) for i in range(len(lines))}
+        shown = c.shown if not any(k in c.text for k in SHORTER) else ()  # a shortened run prints less
+        stale = [line for line in shown if not VOLATILE.search(line) and _norm(line) not in got]
+        assert not stale, f"{c.page}:{c.line}: `{c.text}` no longer prints {stale}\n{printed[-3000:]}"
 
 
 def test_readme_library_example_runs(sandbox):

@@ -248,6 +248,28 @@ def test_merge_help_fits_80_columns_with_the_method_parameters_in_panels():
     assert len(lines) < 240
 
 
+#: How the help's summary names each registered merge method (its variants share the name).
+SUMMARY_NAMES = {
+    "wise-ft": "WiSE-FT", "task-arithmetic": "task arithmetic", "ties": "TIES", "dare-linear": "DARE",
+    "dare-ties": "DARE", "recall": "RECALL", "dg-hard": "DG-Hard", "breadcrumbs": "Breadcrumbs",
+    "breadcrumbs-ties": "Breadcrumbs", "della": "DELLA", "della-linear": "DELLA", "iso-c": "Iso-C",
+    "iso-cts": "Iso-CTS", "model-stock": "Model Stock", "slerp": "SLERP", "tsv": "TSV-M",
+}  # fmt: skip
+
+
+def test_the_merge_summary_names_every_registered_method():
+    """`dghard --help` and `merge --help` summarised the merges without TSV-M, Iso-C and Iso-CTS."""
+    from dghard_cli.methods import registry
+
+    missing = set(registry.methods()) - set(SUMMARY_NAMES)
+    assert not missing, f"name the new method(s) {missing} in merge's docstring and here"
+    top = " ".join(cli("--help", env={"COLUMNS": "400", "TERM": "dumb"}).output.split())
+    own = " ".join(cli("merge", "--help", env={"COLUMNS": "400", "TERM": "dumb"}).output.split())
+    for text in (top, own):
+        for name in SUMMARY_NAMES.values():
+            assert name in text, (name, text[:600])
+
+
 # -- item 5: mergekit's model+lora references, read through the adapter reader ------------------------------
 def test_a_mergekit_model_plus_lora_reference_is_the_adapter_as_fine_tune(tmp_path):
     from safetensors.torch import load_file
