@@ -362,7 +362,124 @@ def _numbers_target():
     return prepare, mutate, execute
 
 
-TARGETS = ("checkpoint", "adapter", "recipe", "filesystem", "numbers")
+#: Hostile numbers and strings for the sweep's options and candidate file (as YAML text).
+HOSTILE_YAML = [
+    "-1", "0", "-0.0", "1.0e+308", "1" + "0" * 400, "9" * 5000, ".nan", ".inf", "-.inf", "2024-13-45",
+    "~", "true", "''", "[]", "{}", "[1, [2]]", "!!python/name:os.system", "&a [*a]", "x" * 300,
+]  # fmt: skip
+HOSTILE_TEXT = [
+    "", " ", ",", "-1", "1,01", "²", "9" * 5000, "0" * 5000 + "1", "GPU-", "MIG-x", "nan", "inf", "1e308",
+    "cpu=1e400", "gpu=2.5", "mem=1e30T", "=", "a=b=c", "http://127.0.0.1:8265", "file:///etc", "ray://",
+    "[::1", "host:99999999999999999999", "auto", "local", "-oDIR", "-apretrained=x", "--o x", "-C c.yaml",
+    "--model_args dtype=x pretrained=y", "'unclosed", "notes.txt", "../../etc/passwd", "x{model}",
+    "{output}", "{model} {output} {device}", "\x00",
+]  # fmt: skip
+
+
+def _candidates_target():
+    """The sweep's candidate file: a valid one (families, a merges block with methods of their
+    own) mutated by truncation, tags, garbage and hostile values in every key."""
+    from dghard_cli.sweep.candidate_file import load_candidates
+
+    valid = (
+        "families:\n  - family: hard\n    grid: [1.0, 2.0]\n    range: [0.5, 4.0]\n"
+        "  - family: lines\n    grid: [[0.2, 0.6]]\n"
+        "merges:\n  grid: [0.3, 0.6]\n  range: [0.1, 1.5]\n"
+        "  methods:\n    tsv: {grid: [1.0, 1.4], range: [0.5, 3.0]}\n"
+        "  density: [0.2, 0.5]\n  lines: [[0.5, 1.0]]\n  tolerance: 0.02\n"
+    )
+    keys = ["grid", "range", "density", "tolerance", "lines", "family", "methods", "exclude", "refine"]
+
+    def prepare(root: Path) -> None:
+        (root / "cands.yaml").write_text(valid)
+
+    def mutate(rng: random.Random, root: Path) -> str:
+        p = root / "cands.yaml"
+        text = p.read_text()
+        kind = rng.choice(["truncate", "tag", "garbage", "value", "list-value", "anchor"])
+        if kind == "truncate":
+            text = text[: rng.randrange(0, len(text))]
+        elif kind == "tag":
+            text += "evil: !!python/object/apply:os.system ['echo pwned']\n"
+        elif kind == "garbage":
+            text = "".join(chr(rng.randrange(1, 255)) for _ in range(rng.randrange(1, 80)))
+        elif kind in ("value", "list-value"):
+            key = rng.choice(keys)
+            v = rng.choice(HOSTILE_YAML)
+            v = f"[{v}, 1.0]" if kind == "list-value" else v
+            lines = text.splitlines()
+            hits = [i for i, ln in enumerate(lines) if ln.strip().startswith(f"{key}:")]
+            if hits:
+                i = rng.choice(hits)
+                indent = lines[i][: len(lines[i]) - len(lines[i].lstrip())]
+                lines[i] = f"{indent}{key}: {v}"
+            else:
+                lines.append(f"  {key}: {v}")
+            text = "\n".join(lines) + "\n"
+        else:
+            text = "a: &a [*a, *a]\n" + text
+        p.write_text(text)
+        return "candidates-" + kind
+
+    def execute(root: Path) -> None:
+        load_candidates(root / "cands.yaml")
+
+    return prepare, mutate, execute
+
+
+def _sweep_options_target():
+    """The sweep's options: hostile values in a few of them at a time, up to the options' own
+    validation (nothing is evaluated): --jobs, --devices, the executor and Ray address, the
+    evaluation resources, the lm-eval tasks and arguments, the numbers, --dtype, --units."""
+    from dghard_cli.sweep.lm_eval import LmEvalSpec
+    from dghard_cli.sweep.run import SweepOptions, _Sweep
+
+    def prepare(root: Path) -> None:
+        pass
+
+    def mutate(rng: random.Random, root: Path) -> str:
+        fields = ["jobs", "devices", "executor", "ray_address", "eval_resources", "budget", "eval_timeout",
+                  "dtype", "units", "min_target_retention", "tie_tolerance", "margin", "fail_under",
+                  "eval_template", "lm_eval_tasks", "lm_eval_args"]  # fmt: skip
+        case: dict = {}
+        for f in rng.sample(fields, rng.randint(1, 3)):
+            if f in ("budget", "jobs"):
+                case[f] = rng.choice([0, -1, 2**63, 10**400, True, 1.5, 3])
+            elif f in ("eval_timeout", "min_target_retention", "tie_tolerance", "margin", "fail_under"):
+                case[f] = rng.choice(["nan", "inf", "-inf", -1.0, 1e308, 0.0, 5.0])
+            elif f == "devices":
+                case[f] = [rng.choice(HOSTILE_TEXT) for _ in range(rng.randint(1, 2))]
+            elif f == "executor":
+                case[f] = rng.choice(["ray", "local", "", "Ray", "threads"])
+            else:
+                case[f] = rng.choice(HOSTILE_TEXT)
+        if (
+            case.get("ray_address") in ("auto", "local")
+            or "ray_address" in case
+            and case.get("executor") != "ray"
+        ):
+            case.pop("ray_address", None)  # never contacts or starts a cluster here
+        (root / "sweep-case.json").write_text(json.dumps(case))
+        return "sweep-options-" + "+".join(sorted(case))
+
+    def execute(root: Path) -> None:
+        case = json.loads((root / "sweep-case.json").read_text())
+        for k in ("eval_timeout", "min_target_retention", "tie_tolerance", "margin", "fail_under"):
+            if isinstance(case.get(k), str):
+                case[k] = float(case[k])
+        tasks, args = case.pop("lm_eval_tasks", None), case.pop("lm_eval_args", None)
+        if tasks is not None or args is not None:
+            LmEvalSpec.parse(tasks if tasks is not None else "arc_easy", args)
+        template = case.pop("eval_template", "python eval.py {model} {output}")
+        if case.get("executor") == "ray" and "ray_address" not in case:
+            case["executor"] = "local"  # a private Ray cluster takes seconds to start
+        opts = SweepOptions(eval_template=template, **case)
+        _Sweep(str(root / "base"), str(root / "ft"), root / "sweep-out", opts).validate()
+
+    return prepare, mutate, execute
+
+
+TARGETS = ("checkpoint", "adapter", "recipe", "filesystem", "numbers", "candidates", "sweep-options")
 
 
 def fuzz(cases: int, seed: int, *, verbose: bool = False, only: list[str] | None = None) -> dict:
@@ -378,6 +495,8 @@ def fuzz(cases: int, seed: int, *, verbose: bool = False, only: list[str] | None
         ("adapter", _adapter_target),
         ("recipe", _recipe_target),
         ("numbers", _numbers_target),
+        ("candidates", _candidates_target),
+        ("sweep-options", _sweep_options_target),
     ):
         t = factory()
         if t is not None:

@@ -231,13 +231,17 @@ def _check_task_path(name: str) -> None:
     looks_like_path = (
         os.sep in name or name.startswith(".") or p.suffix.lower() in (*_TASK_FILE_SUFFIXES, ".txt", ".json")
     )
-    if p.is_file() and p.suffix.lower() not in _TASK_FILE_SUFFIXES:
+    try:
+        is_file, exists = p.is_file(), p.exists()
+    except (OSError, ValueError):  # a name no file system can look up (too long, a NUL)
+        is_file = exists = False
+    if is_file and p.suffix.lower() not in _TASK_FILE_SUFFIXES:
         raise InputError(
-            f"--lm-eval {name}: a file that is not a task YAML; lm-eval loads tasks from .yaml files, "
+            f"--lm-eval {name[:200]}: a file that is not a task YAML; lm-eval loads tasks from .yaml files, "
             "directories of them, or task names"
         )
-    if looks_like_path and not p.exists() and not any(c in name for c in "*?["):
-        raise InputError(f"--lm-eval {name}: no such task file or directory")
+    if looks_like_path and not exists and not any(c in name for c in "*?["):
+        raise InputError(f"--lm-eval {name[:200]}: no such task file or directory")
 
 
 def check(spec: LmEvalSpec, *, python: str | None = None) -> None:
