@@ -361,3 +361,22 @@ def test_an_explicit_address_is_the_one_contacted_whatever_ray_address_says(monk
     ex._connect(FakeRay, "head.example:6379", None)
     assert seen == {"address": "head.example:6379", "env": None}
     assert os.environ["RAY_ADDRESS"] == "10.9.9.9:6379"
+
+
+def test_workers_that_cannot_start_are_a_clear_exit_3_within_a_bound(ray_cluster, tmp_path, monkeypatch):
+    """No worker could start for the jobs' resources: the sweep waited over 200 s, silent."""
+    from dghard_cli.errors import RuntimeFailure
+
+    busy = make("ray", ray_cluster, 1, resources=parse_resources("gpu=1,cpu=1"))
+    pid_file = tmp_path / "pid"
+    try:
+        h = busy.submit(("sleep_child", str(pid_file)), {})  # holds the cluster's only GPU
+        wait_for_file(pid_file)
+        monkeypatch.setenv("DGHARD_RAY_START_TIMEOUT_S", "2")
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeFailure, match=r"started no worker for an evaluation within 2 s"):
+            make("ray", ray_cluster, 1, resources=parse_resources("gpu=1,cpu=1"))
+        assert time.monotonic() - t0 < 15
+    finally:
+        busy.cancel([h])
+        busy.close()

@@ -27,7 +27,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from typing import Any, Protocol
 
-from dghard_cli.errors import InputError
+from dghard_cli.errors import InputError, RuntimeFailure
 
 JobFn = Callable[[Any, dict], Any]
 ErrorFn = Callable[[Any, BaseException], Any]
@@ -296,6 +296,24 @@ def _probe(address: str) -> None:
         )
 
 
+#: How long the first worker may take to start (seconds); DGHARD_RAY_START_TIMEOUT_S overrides.
+WORKER_START_TIMEOUT_S = 120.0
+
+
+def worker_start_timeout() -> float:
+    raw = os.environ.get("DGHARD_RAY_START_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw.strip() else WORKER_START_TIMEOUT_S
+    except ValueError:
+        value = WORKER_START_TIMEOUT_S
+    return value if math.isfinite(value) and value > 0 else WORKER_START_TIMEOUT_S
+
+
+def _ping() -> int:
+    """The worker-start probe: runs on a worker, imports nothing more than this module."""
+    return os.getpid()
+
+
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
@@ -363,6 +381,7 @@ class RayExecutor:
         if task_env:
             opts["runtime_env"] = task_env
         self._remote = ray.remote(fn).options(max_retries=1, retry_exceptions=False, **opts)
+        self._check_workers_start(ray, opts, where)
 
     @staticmethod
     def _import_ray(address: str | None) -> Any:
@@ -417,6 +436,29 @@ class RayExecutor:
             if saved is not None:
                 os.environ["RAY_ADDRESS"] = saved
         self._owns = True
+
+    def _check_workers_start(self, ray: Any, opts: dict, where: str) -> None:
+        """One trivial task with the jobs' resources and runtime environment, before any job: a
+        worker that cannot start (a runtime environment that fails to build, a node whose Python
+        cannot import dghard) left the sweep waiting for minutes with no output, Ray's worker
+        errors hidden. RuntimeFailure (exit 3) naming the cause, or the bound that ran out."""
+        ref = ray.remote(_ping).options(max_retries=0, **opts).remote()
+        try:
+            ray.get(ref, timeout=worker_start_timeout())
+        except ray.exceptions.GetTimeoutError:
+            with contextlib.suppress(Exception):
+                ray.cancel(ref, force=True)
+            raise RuntimeFailure(
+                f"{where} started no worker for an evaluation within {worker_start_timeout():g} s "
+                f"(resources per job: {opts or 'Ray defaults'}): its workers cannot start, or none "
+                "has those resources free now",
+                hint="see the workers' logs (`ray logs`), or raise DGHARD_RAY_START_TIMEOUT_S",
+            ) from None
+        except ray.exceptions.RayError as exc:
+            raise RuntimeFailure(
+                f"{where}: a worker for the evaluations could not start: {_first_line(exc)}",
+                hint="see the workers' logs (`ray logs`); every node needs dghard installed",
+            ) from None
 
     def _check_resources(self, ray: Any, wanted: dict[str, float], where: str) -> None:
         have = ray.cluster_resources()
