@@ -454,7 +454,9 @@ def test_a_method_given_its_own_grid_and_range_in_the_merges_block():
         "methods": {"iso-c": {"grid": [0.8, 2.5], "range": [0.5, 4]}},
     }
     by = {e.family: e for e in parse_candidates({"merges": block}, "c.yaml")}
-    assert by["iso-c"].grid == [0.8, 2.5] and by["iso-c"].range == (0.5, 3.0)  # clipped to α's (0, 3)
+    # searched as given, past α's declared 3 as a family entry's own range is (never clipped: a
+    # grid outside the clipped range was silently replaced by its midpoint)
+    assert by["iso-c"].grid == [0.8, 2.5] and by["iso-c"].range == (0.5, 4.0)
     assert by["task-arithmetic"].grid == [0.3, 0.6] and by["task-arithmetic"].range == (0.1, 1.5)
     # a grid alone takes the block's range
     block["methods"] = {"tsv": {"grid": [1.2]}}
