@@ -416,7 +416,15 @@ def test_an_interruption_while_a_candidate_is_written_keeps_what_finished_meanwh
             writes.append(job.label)
             if len(writes) == 3:  # the first two candidates are evaluating meanwhile
                 deadline = time.time() + 60
-                while len([r for r in _log(pair) if r["name"] in writes[:2]]) < 2 and time.time() < deadline:
+
+                def exited() -> bool:  # logged, and the evaluation's process is gone: finished
+                    done = [r for r in _log(pair) if r["name"] in writes[:2]]
+                    return len(done) == 2 and not any(alive(r["pid"]) for r in done)
+
+                # (logged alone was not finished: on a loaded machine the Ctrl-C could land
+                # between the wrapper's log line and its exit, and a killed evaluation is rightly
+                # not cached)
+                while not exited() and time.time() < deadline:
                     time.sleep(0.05)
                 raise KeyboardInterrupt
         return real(job)
