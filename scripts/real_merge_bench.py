@@ -333,8 +333,15 @@ def cmd_build(args: argparse.Namespace) -> int:
     meta = json.loads(meta_file.read_text())
     if meta["sha256"] != shas:
         raise SystemExit(f"{work}: the licence or Python files differ from the build's (sha256 {shas})")
+    t_call = time.time()
+
+    def keep_short(after: str) -> None:  # each invocation stays under 10 minutes
+        if time.time() - t_call > 420:
+            raise SystemExit(f"[build] stopped after {after} to keep this step short; run build again")
+
     for task in TASKS:
         if not (work / f"expert-{task}" / "config.json").exists():
+            keep_short("the previous expert")
             t0 = time.time()
             fine_tune(base, work, task, args.seed)
             print(f"[build] expert {task} trained ({time.time() - t0:.0f} s this call)", flush=True)
@@ -343,6 +350,7 @@ def cmd_build(args: argparse.Namespace) -> int:
     for name in ("BASE", *(f"expert-{t}" for t in TASKS)):
         f = res_dir / f"{name}.val.json"
         if not f.exists():
+            keep_short("an evaluation")
             d = base if name == "BASE" else work / name
             _write_eval(d, meta, "val", res_dir, name)
     base_res = json.loads((res_dir / "BASE.val.json").read_text())
