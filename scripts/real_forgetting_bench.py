@@ -653,8 +653,10 @@ def cmd_spectrum(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def bench_parser(doc: str, budgets: str) -> tuple[argparse.ArgumentParser, object]:
+    """The real-model benchmarks' command line: ``build``, ``eval`` and ``table`` (shared with
+    scripts/real_merge_bench.py); returns the parser and its subparsers for more commands."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
     b.add_argument("workdir")
@@ -666,7 +668,12 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--scenario", default=None, help="WORK/scenario.json (default: found above MODEL)")
     t = sub.add_parser("table")
     t.add_argument("workdir")
-    t.add_argument("--budgets", default="")
+    t.add_argument("--budgets", default=budgets)
+    return ap, sub
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap, sub = bench_parser(__doc__, "")
     sp = sub.add_parser("spectrum", help="the fine-tune's delta per matrix kind (dghard inspect)")
     sp.add_argument("workdir")
     args = ap.parse_args(argv)

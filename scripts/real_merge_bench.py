@@ -382,19 +382,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    b = sub.add_parser("build")
-    b.add_argument("workdir")
-    b.add_argument("--seed", type=int, default=0)
-    e = sub.add_parser("eval")
-    e.add_argument("model")
-    e.add_argument("out")
-    e.add_argument("--split", choices=("val", "test"), default="val")
-    e.add_argument("--scenario", default=None, help="WORK/scenario.json (default: found above MODEL)")
-    t = sub.add_parser("table")
-    t.add_argument("workdir")
-    t.add_argument("--budgets", default="16")
+    ap, _ = rfb.bench_parser(__doc__, "16")
     args = ap.parse_args(argv)
     return {"build": cmd_build, "eval": cmd_eval, "table": cmd_table}[args.cmd](args)
 

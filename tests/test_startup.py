@@ -35,21 +35,9 @@ def _python(
     )
 
 
-def test_importing_the_package_loads_neither_torch_nor_numpy():
-    res = _python(
-        """
-        import json, sys
-        import dghard_cli, dghard_cli.cli
-        print(json.dumps(sorted(m for m in ("torch", "numpy") if m in sys.modules)))
-        """
-    )
-    assert res.returncode == 0, res.stderr
-    assert json.loads(res.stdout) == []
-
-
-def test_version_and_every_help_load_neither_torch_nor_numpy():
-    """The console entry point on --version, --help and each COMMAND --help, in one process."""
-    lines = [["--version"], ["--help"], *[[c, "--help"] for c in COMMANDS]]
+def _entrypoint_runs(lines: list[list[str]]) -> tuple[dict, subprocess.CompletedProcess]:
+    """Run the console entry point on each argv in one fresh interpreter; its exit codes and
+    whether torch and numpy were imported, with the process."""
     res = _python(
         f"""
         import json, sys
@@ -65,7 +53,25 @@ def test_version_and_every_help_load_neither_torch_nor_numpy():
               file=sys.stderr)
         """
     )
-    doc = json.loads(res.stderr.strip().splitlines()[-1])
+    return json.loads(res.stderr.strip().splitlines()[-1]), res
+
+
+def test_importing_the_package_loads_neither_torch_nor_numpy():
+    res = _python(
+        """
+        import json, sys
+        import dghard_cli, dghard_cli.cli
+        print(json.dumps(sorted(m for m in ("torch", "numpy") if m in sys.modules)))
+        """
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == []
+
+
+def test_version_and_every_help_load_neither_torch_nor_numpy():
+    """The console entry point on --version, --help and each COMMAND --help, in one process."""
+    lines = [["--version"], ["--help"], *[[c, "--help"] for c in COMMANDS]]
+    doc, res = _entrypoint_runs(lines)
     assert doc["codes"] == [0] * len(lines), res.stderr
     assert (doc["torch"], doc["numpy"]) == (False, False), (
         "a start-up path imports torch or numpy: run `DGHARD_DEBUG_IMPORTS=1 dghard --version` to see where"
@@ -183,20 +189,6 @@ def test_an_existing_out_is_refused_before_torch_is_imported(tmp_path):
         ["merge", "--method", "wise-ft", str(example / "base"), str(example / "ft"), "--out", str(out)],
         ["sweep", str(example / "base"), str(example / "ft"), str(out), "--eval", "e {model} {output}"],
     ]
-    res = _python(
-        f"""
-        import json, sys
-        from dghard_cli.cli import deferred, entrypoint
-        codes = []
-        for argv in {lines!r}:
-            sys.argv = ["dghard", *argv]
-            try:
-                entrypoint()
-            except SystemExit as e:
-                codes.append(e.code or 0)
-        print(json.dumps({{"codes": codes, "torch": deferred.loaded("torch")}}), file=sys.stderr)
-        """
-    )
-    doc = json.loads(res.stderr.strip().splitlines()[-1])
-    assert doc == {"codes": [2, 2, 2], "torch": False}, res.stderr
+    doc, res = _entrypoint_runs(lines)
+    assert (doc["codes"], doc["torch"]) == ([2, 2, 2], False), res.stderr
     assert res.stderr.count("exists and is not empty; pass --overwrite to replace it") == 3, res.stderr
