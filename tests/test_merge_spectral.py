@@ -469,42 +469,47 @@ def ill_conditioned_delta() -> torch.Tensor:
     return (u * torch.logspace(0, -5.5, 32, dtype=torch.float64)) @ v.T
 
 
-def test_ill_conditioned_matrix_is_refused_for_float32_and_merged_for_bf16(tmp_path):
-    """Σ Δ_i with singular values from 1 down to 3e-6: the flat spectrum divides by σ_min, the
-    Gram route's bound ε·κ² ≈ 2e-5 exceeds float32's resolution (refused, exit 2) but not bf16's."""
+@pytest.mark.parametrize("method", ["iso-c", "iso-cts", "tsv"])
+def test_ill_conditioned_matrix_takes_the_accurate_route_for_float32_and_the_gram_route_for_bf16(
+    tmp_path, method
+):
+    """Σ Δ_i with singular values from 1 down to 3e-6: the flat spectrum (or the orthogonalisation)
+    divides by σ_min, and the Gram route's bound ε·κ² ≈ 2e-5 exceeds float32's resolution. A
+    float32 output was refused (exit 2, "write --dtype bf16"); it is now computed by float64 SVDs
+    of the matrices (bound ε·κ ≈ 7e-11), recorded as such, and equals the reference to float32
+    rounding. bf16's resolution is met by the Gram route, which it keeps."""
     delta = ill_conditioned_delta()
     name = "model.layers.0.mlp.up_proj.weight"
     zero = torch.zeros((64, 32), dtype=torch.float32)
     write_checkpoint(tmp_path / "b", [(name, zero)], config=CFG.to_hf("float32"))
-    write_checkpoint(tmp_path / "f", [(name, delta.to(torch.float32))], config=CFG.to_hf("float32"))
-    res = run_dghard("merge", "--method", "iso-c", tmp_path / "b", tmp_path / "f", "--out", tmp_path / "o")
-    assert res.returncode == 2 and f"tensor {name!r}" in res.stderr and "error bound" in res.stderr, (
-        res.stderr
-    )
-    assert not (tmp_path / "o").exists()
-    ok = run_dghard(
-        "merge",
-        "--method",
-        "iso-c",
-        tmp_path / "b",
-        tmp_path / "f",
-        "--out",
-        tmp_path / "o",
-        "--dtype",
-        "bf16",
-    )
-    assert ok.returncode == 0, ok.stderr
-    got = load_dir(tmp_path / "o")[name]
-    d = f64(load_dir(tmp_path / "f")[name])
-    ref = ref_iso_c(np.zeros_like(d), [d])
-    assert np.abs(f64(got) - ref).max() <= UBF16 * np.abs(ref).max()
+    fts = []
+    for i, scale in enumerate((1.0, 0.5)):  # two fine-tunes: Iso-CTS's task spaces are not empty
+        write_checkpoint(
+            tmp_path / f"f{i}", [(name, (scale * delta).to(torch.float32))], config=CFG.to_hf("float32")
+        )
+        fts.append(tmp_path / f"f{i}")
+    ds = [f64(load_dir(f)[name]) for f in fts]
+    kw = {"tsv_rank": 32} if method == "tsv" else {}  # TSV divides by each task's k-th value
+    ref = REFS[method](np.zeros_like(ds[0]), [d for d in ds], **({"k": 32} if kw else {}))
+    for dtype, route, unit in (("F32", "svd-float64", U32), ("BF16", "gram-eigh-float64", UBF16)):
+        out = tmp_path / f"o-{dtype}"
+        doc, got = run(tmp_path / "b", fts, out, method, policy=_policy(out_dtype=dtype), **kw)
+        rec = next(r for r in doc["tensors"] if r["name"] == name)
+        assert rec["route"] == route, rec
+        if route == "svd-float64":
+            assert rec["error_bound"] < 1e-9 < U32 < rec["gram_error_bound"], rec
+            assert doc["merge"]["accurate_route_matrices"] == 1
+        else:
+            assert "gram_error_bound" not in rec and "accurate_route_matrices" not in doc["merge"]
+        err = np.abs(f64(got[name]) - ref)
+        assert (err <= unit * np.abs(ref) + REL * np.abs(ref).max()).all(), (dtype, err.max())
 
 
 @pytest.mark.parametrize("method", ["tsv", "iso-c"])
 def test_a_layer_schedule_checks_the_written_dtype_not_its_float64_intermediate(tmp_path, method):
     """``--lines`` asks the method for float64 before its own cast: the accuracy check is still the
-    written dtype's (refused for float32, naming F32 and 2^-24; merged for bf16, equal to
-    W_base + λ·Δ*), not float32's under the label F64 for every dtype."""
+    written dtype's, not float32's under the label F64 for every dtype — float32 takes the accurate
+    route (it was refused, naming F32), bf16 the Gram route; both equal W_base + λ·Δ*."""
     g = torch.Generator().manual_seed(3)
     u = torch.linalg.qr(torch.randn((64, 32), generator=g, dtype=torch.float64))[0]
     v = torch.linalg.qr(torch.randn((32, 32), generator=g, dtype=torch.float64))[0]
@@ -515,16 +520,18 @@ def test_a_layer_schedule_checks_the_written_dtype_not_its_float64_intermediate(
     write_checkpoint(tmp_path / "b", [(name, zero)], config=one.to_hf("float32"))
     write_checkpoint(tmp_path / "f", [(name, delta.to(torch.float32))], config=one.to_hf("float32"))
     args = ("merge", "--method", method, tmp_path / "b", tmp_path / "f", "--lines", "0.5,0")
-    res = run_dghard(*args, "--out", tmp_path / "o32")
-    assert res.returncode == 2 and res.stderr.count("dghard: error:") == 1, res.stderr
-    assert f"exceeds the F32 output's resolution {U32:.1e}" in res.stderr, res.stderr
-    assert not (tmp_path / "o32").exists()
-    ok = run_dghard(*args, "--out", tmp_path / "o", "--dtype", "bf16")
-    assert ok.returncode == 0, ok.stderr
-    got = f64(load_dir(tmp_path / "o")[name])
     d = f64(load_dir(tmp_path / "f")[name])
     ref = 0.5 * (ref_iso_c if method == "iso-c" else ref_tsv)(np.zeros_like(d), [d])
-    assert np.abs(got - ref).max() <= UBF16 * np.abs(ref).max()
+    for dtype, route, unit in (("fp32", "svd-float64", U32), ("bf16", "gram-eigh-float64", UBF16)):
+        out = tmp_path / f"o-{dtype}"
+        ok = run_dghard(*args, "--out", out, "--dtype", dtype, "--report", tmp_path / f"{dtype}.json")
+        assert ok.returncode == 0, ok.stderr
+        rec = next(
+            r for r in json.loads((tmp_path / f"{dtype}.json").read_text())["tensors"] if r["name"] == name
+        )
+        assert rec["route"] == route, rec
+        got = f64(load_dir(out)[name])
+        assert np.abs(got - ref).max() <= unit * np.abs(ref).max() + REL * np.abs(ref).max(), dtype
 
 
 def test_nonfinite_input_is_refused(tmp_path):
@@ -618,9 +625,11 @@ def test_lora_adapters_merge_over_their_exact_rank(tmp_path, method):
 
 
 @pytest.mark.parametrize("method", ["iso-c", "tsv"])
-def test_the_accuracy_refusal_suggests_bf16_only_where_it_helps(tmp_path, method):
-    """A bf16 output refused for its error bound was told to pass --dtype bf16; the hint now
-    depends on the written dtype (and on whether bf16's resolution would meet the bound)."""
+def test_no_output_dtype_is_refused_for_accuracy(tmp_path, method):
+    """Singular values from 1 down to 3e-8: the Gram route's bound (≈ 0.2) exceeds even bf16's
+    resolution, and the merge was refused for every dtype ("--exclude the tensor"). The accurate
+    route meets float32's and bf16's: the directions below the numerical-rank floor
+    (σ² ≤ 4·M·ε·σ_max², as on the Gram route) are zeros, the rest merged as the formula says."""
     from dghard_cli.methods.subspace import coarser_output_hint
 
     g = torch.Generator().manual_seed(3)
@@ -631,14 +640,37 @@ def test_the_accuracy_refusal_suggests_bf16_only_where_it_helps(tmp_path, method
     zero = torch.zeros((64, 32), dtype=torch.float32)
     write_checkpoint(tmp_path / "b", [(name, zero)], config=CFG.to_hf("float32"))
     write_checkpoint(tmp_path / "f", [(name, delta.to(torch.float32))], config=CFG.to_hf("float32"))
-    args = ["merge", "--method", method, tmp_path / "b", tmp_path / "f", "--out", tmp_path / "o"]
-    if method == "tsv":
-        args += ["--tsv-rank", "32"]
-    res = run_dghard(*args, "--dtype", "bf16")
-    assert res.returncode == 2 and "error bound" in res.stderr and "BF16 output" in res.stderr, res.stderr
-    assert "--dtype bf16" not in res.stderr and "--exclude" in res.stderr
-    assert not (tmp_path / "o").exists()
+    d = f64(load_dir(tmp_path / "f")[name])
+    p, s, qt = np.linalg.svd(d, full_matrices=False)
+    r = int(np.count_nonzero(s**2 > 4 * 32 * 2.0**-52 * s[0] ** 2))
+    assert 8 < r < 32  # the floor cuts some directions and keeps those the Gram route could not
+    ref = s[:r].mean() * p[:, :r] @ qt[:r] if method == "iso-c" else (p[:, :r] * s[:r]) @ qt[:r]
+    kw = {"tsv_rank": 32} if method == "tsv" else {}
+    for dtype, unit in (("F32", U32), ("BF16", UBF16)):
+        doc, got = run(
+            tmp_path / "b", [tmp_path / "f"], tmp_path / dtype, method, policy=_policy(out_dtype=dtype), **kw
+        )
+        rec = next(x for x in doc["tensors"] if x["name"] == name)
+        assert rec["route"] == "svd-float64" and rec["rank"] == r and rec["gram_error_bound"] > UBF16, rec
+        assert np.abs(f64(got[name]) - ref).max() <= (unit + REL) * np.abs(ref).max(), dtype
     assert "--dtype bf16" in coarser_output_hint("F32", 1e-3)
     assert "--dtype bf16" in coarser_output_hint("F16", 1e-3)
     assert "--dtype bf16" not in coarser_output_hint("F32", 1e-1)  # bf16 would not meet it either
     assert "--dtype bf16" not in coarser_output_hint("BF16", 1e-3)
+
+
+def test_the_accurate_route_is_refused_in_one_line_where_it_cannot_fit(tmp_path, monkeypatch):
+    """The accurate route holds the whole matrix in float64: where that exceeds the machine's
+    memory the tensor is refused before any output, naming it, the route and what to do."""
+    import dghard_cli.methods.subspace as subspace
+
+    delta = ill_conditioned_delta()
+    name = "model.layers.0.mlp.up_proj.weight"
+    write_checkpoint(tmp_path / "b", [(name, torch.zeros((64, 32)))], config=CFG.to_hf("float32"))
+    write_checkpoint(tmp_path / "f", [(name, delta.to(torch.float32))], config=CFG.to_hf("float32"))
+    monkeypatch.setattr(subspace, "machine_memory", lambda device=None: 64 * 32 * 8)
+    with pytest.raises(InputError) as e:
+        run(tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "iso-c")
+    msg = str(e.value)
+    assert len(msg.splitlines()) == 1 and f"tensor {name!r}" in msg and "accurate SVD route" in msg, msg
+    assert "--dtype bf16" in msg and not (tmp_path / "o").exists()

@@ -282,13 +282,37 @@ def test_the_strength_search_starts_small_and_follows_up_the_best_merge(swept):
     scheduled = [r for r in doc["candidates"] if r["axis"] == "lines"]
     assert scheduled and all(r["command"] == "merge" and "lines" in r["params"] for r in scheduled)
     assert [r["phase"] for r in scheduled][:2] == ["follow-up", "follow-up"]
-    # the follow-ups start from the best strength candidate found before them
+    # the follow-ups start from the best strength candidates found before them: the best family's
+    # first, then every family within 2 HM points of it (the noise margin) gets its own schedule
     first_follow = min(r["order"] for r in doc["candidates"] if r["entry"] in {f["index"] for f in follow})
-    before = [r for r in doc["candidates"] if r["order"] < first_follow]
-    best_before = max(before, key=lambda r: r["hm"])
+    before = [r for r in doc["candidates"] if r["order"] < first_follow and r["hm"] is not None]
+    best_of: dict = {}
+    for r in before:
+        if r["family"] not in best_of or r["hm"] > best_of[r["family"]]["hm"]:
+            best_of[r["family"]] = r
+    top = max(r["hm"] for r in before)
+    near = {f for f, r in best_of.items() if r["hm"] >= top - 2.0}
+    params = [{k: v for k, v in r["params"].items() if k != "lines"} for r in scheduled]
+    assert params[0] == max(before, key=lambda r: r["hm"])["params"]
+    assert {p["method"] for p in params} <= near
+    for p in params:
+        assert p == best_of[p["method"]]["params"]
+
+
+def test_families_within_the_tie_tolerance_each_get_their_schedule_tried(experts, tmp_path):
+    """With a tie tolerance that puts several families within noise of the best, the follow-ups
+    schedule each family's own best merge (the best family's first), not only the best one's."""
+    doc = _sweep(experts, tmp_path / "wide", budget=24, tie_tolerance=100.0)  # a reserve of 5: 2 families
+    scheduled = [r for r in doc["candidates"] if r["axis"] == "lines"]
+    methods = [r["params"]["method"] for r in scheduled]
+    assert len(set(methods)) >= 2, methods
+    first_follow = min(r["order"] for r in scheduled)
+    before = [r for r in doc["candidates"] if r["order"] < first_follow and r["hm"] is not None]
+    assert methods[0] == max(before, key=lambda r: r["hm"])["params"]["method"]
     for r in scheduled:
-        p = {k: v for k, v in r["params"].items() if k != "lines"}
-        assert p == best_before["params"]
+        own = [b for b in before if b["params"]["method"] == r["params"]["method"]]
+        want = max(own, key=lambda b: b["hm"])["params"]
+        assert {k: v for k, v in r["params"].items() if k != "lines"} == want
 
 
 def test_a_winner_where_the_single_fine_tune_bar_finds_none(experts, swept, tmp_path):
@@ -527,3 +551,21 @@ def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
     assert again["budget"]["from_cache"] == 11 and again["budget"]["run_now"] == 16 - 11
     assert [r["name"] for r in again["candidates"]] == [r["name"] for r in doc["candidates"]]
     assert again["winner"]["name"] == doc["winner"]["name"]
+
+
+def test_followups_go_to_every_family_within_noise_of_the_best():
+    """A family a little behind on strength alone gets its schedule tried too (within the
+    noise margin, or --tie-tolerance if larger), best first, as many as the reserve allows."""
+    from dghard_cli.sweep import merges
+
+    def row(entry, hm, order, feasible=1):
+        return {"entry": entry, "objective": (feasible, hm, -0.5), "order": order}
+
+    rows = [row(0, 80.0, 1), row(0, 84.0, 5), row(1, 85.5, 2), row(2, 83.4, 3), row(3, 70.0, 4)]
+    rows.append(row(4, 90.0, 6, feasible=0))  # another feasibility class: never "near"
+    got = merges.followup_families(rows, 0.0, 32)
+    assert [(r["entry"], r["objective"][1]) for r in got] == [(1, 85.5), (0, 84.0)]
+    wide = merges.followup_families(rows, 3.0, 32)
+    assert [r["entry"] for r in wide] == [1, 0, 2]
+    assert [r["entry"] for r in merges.followup_families(rows, 3.0, 8)] == [1]  # a reserve of 2
+    assert merges.followup_families([], 0.0, 32) == []

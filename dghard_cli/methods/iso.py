@@ -57,6 +57,7 @@ import numpy as np
 import torch
 
 from dghard_cli.errors import InputError
+from dghard_cli.methods import subspace_svd as svd
 from dghard_cli.methods.declare import finite
 from dghard_cli.methods.registry import NUMBER, BuildContext, MergeMethod, Param
 from dghard_cli.methods.subspace import (
@@ -100,7 +101,8 @@ def iso_c_plan(alpha: float):
             return _sum(xs) @ v
 
         stats = {"sigma_mean": float(f"{mean:.10g}")}
-        return Result(left, kernel, len(sig), amp, stats)
+        noise = blocks.noise()
+        return Result(left, kernel, len(sig), amp, stats, lambda xs: svd.iso_c(xs, alpha, noise))
 
     return plan
 
@@ -166,7 +168,12 @@ def iso_cts_plan(fraction: float, alpha: float):
             "common_rank": int(sig_c.size),
             "task_ranks": [int(t.size) for t in taus] if taus else [0] * n,
         }
-        return Result(left, kernel, rank, max(*amps, zz.amplification, amp_v), stats)
+        noises = [blocks.noise([i]) for i in range(n)]
+
+        def accurate(xs: list[torch.Tensor]) -> svd.SvdResult:
+            return svd.iso_cts(xs, k_c, d, alpha, blocks.noise(), noises, blocks.tall)
+
+        return Result(left, kernel, rank, max(*amps, zz.amplification, amp_v), stats, accurate)
 
     return plan
 

@@ -25,8 +25,10 @@ Accuracy: the Gram route resolves a direction of singular value σ to about ``ε
 relative (ε = 2⁻⁵²; measured errors sit ~50× below). The orthogonalisation and the flat
 spectrum divide by such σ's, so every matrix records ``error_bound = ε·max(λ_max/λ_min)`` over
 the Gram matrices whose inverse square root it takes; a matrix whose bound exceeds the output
-dtype's resolution (unit roundoff, float32's at the finest) is refused with a one-line error
-naming it — never written approximately. Singular values at the route's floor (below
+dtype's resolution (unit roundoff, float32's at the finest) is computed again by the accurate
+route (:mod:`.subspace_svd`: float64 SVDs of the matrices themselves, error ``ε·σ_max/σ``, which
+the numerical-rank floor keeps below float32's resolution) and its record says so — never
+refused for accuracy, never written approximately. Singular values at the route's floor (below
 ``sqrt(4·M·ε)·σ_max``) are exact zeros: the numerical rank; for a LoRA adapter read as a
 fine-tune (BASE + B·A computed in float32) so are those at its rounding level
 (:meth:`TallBlocks.noise`).
@@ -46,10 +48,13 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, cast_out, passthrough, strength_hint
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
+from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
 from dghard_cli.lora.view import ComputedTensorInfo
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
+from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
+from dghard_cli.methods.subspace_svd import SvdResult, svd_route_bytes
 from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows, gram_add_, spectrum_from_gram
 from dghard_cli.spectral.spectrum import ROUNDING_STD_FACTOR, ROUTE, Spectrum
 
@@ -243,17 +248,29 @@ class TallBlocks:
             gram_add_(c, left(xs))
         return c
 
+    def whole(self) -> list[torch.Tensor]:
+        """The tall forms ``X_i`` (N × M float64) of every task vector, whole (one pass)."""
+        parts: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        for _, xs in self:
+            for p, x in zip(parts, xs, strict=True):
+                p.append(x)
+        return [torch.cat(p) for p in parts]
+
     def output(
-        self, left: Callable[[list[torch.Tensor]], torch.Tensor], k: torch.Tensor
+        self, left: Callable[[list[torch.Tensor]], torch.Tensor], k: torch.Tensor | None
     ) -> Iterator[torch.Tensor]:
-        """The output pass: ``W_base + Z_b·K`` in the output dtype, in order; rows beyond the shared
-        ones (a resized vocabulary) keep the first fine-tune's values."""
+        """The output pass: ``W_base + Z_b·K`` in the output dtype, in order (``k`` None: ``left``
+        gives the update's rows themselves); rows beyond the shared ones (a resized vocabulary)
+        keep the first fine-tune's values."""
         job = self.job
         out_dtype = torch_dtype(job.out_dtype)
         full = None if self.tall else torch.empty((self.rows, self.cols), dtype=out_dtype)
         c0 = 0
         for b, xs in self:
-            out = b.addmm_(left(xs), k) if k.shape[0] else b
+            if k is None:
+                out = b.add_(left(xs))
+            else:
+                out = b.addmm_(left(xs), k) if k.shape[0] else b
             if not bool(torch.isfinite(out).all()):
                 # the inputs are finite here (the plan refused non-finite ones): the strength
                 # overflowed (iso-c with --alpha 1e308 reported "the merge produced NaN/Inf", exit 3)
@@ -294,6 +311,8 @@ class Result:
     rank: int  # rank of the merged update
     amplification: float  # the largest λ_max/λ_min inverted on the way
     stats: dict  # per-tensor report entries
+    #: the same merge by the accurate route (:mod:`.subspace_svd`), from the whole tall task vectors
+    accurate: Callable[[list[torch.Tensor]], SvdResult]
 
 
 class SubspaceMergeOp:
@@ -344,14 +363,34 @@ class SubspaceMergeOp:
                 **res.stats,
             }
         )
-        if bound > tol:
+        if bound <= tol:
+            yield from blocks.output(res.left, res.kernel)
+            return
+        # the Gram route's bound is too loose for the written dtype: the accurate route
+        need = svd_route_bytes(blocks.big, blocks.small, blocks.n)
+        limit = machine_memory(self.device)
+        if limit is not None and need > limit:
             raise InputError(
                 f"tensor {job.name!r}: --method {self.name} divides by singular values down to "
-                f"1/{math.sqrt(res.amplification):.3g} of the largest here, and the float64 Gram route's "
-                f"error bound {bound:.1e} exceeds the {written} output's resolution {tol:.1e}; "
+                f"1/{math.sqrt(res.amplification):.3g} of the largest here; the float64 Gram route's "
+                f"error bound {bound:.1e} exceeds the {written} output's resolution {tol:.1e}, and the "
+                f"accurate SVD route needs about {need / 1e9:.1f} GB, more than this machine has; "
                 f"{coarser_output_hint(written, bound)}"
             )
-        yield from blocks.output(res.left, res.kernel)
+        acc = res.accurate(blocks.whole())
+        bound_svd = EPS64 * acc.kappa
+        assert bound_svd <= tol, (job.name, bound_svd)  # the rank floor keeps it below float32's
+        rec.update(
+            {
+                "route": SVD_ROUTE,
+                "rank": acc.rank,
+                "error_bound": float(f"{bound_svd:.4g}"),
+                "gram_error_bound": float(f"{bound:.4g}"),
+                **acc.stats,
+            }
+        )
+        rows = iter(torch.split(acc.delta, blocks.step))
+        yield from blocks.output(lambda xs: next(rows), None)
 
 
 def matrix_rule(policy) -> Callable[[TensorJob], bool]:
@@ -382,6 +421,9 @@ def merge_summary(rule: str) -> Callable[[list[dict], dict], dict]:
             ranks = sorted(r["rank"] for r in spectral)
             out["median_rank"] = ranks[len(ranks) // 2]
             out["error_bound_max"] = max(r["error_bound"] for r in spectral)
+            accurate = sum(r["route"] == SVD_ROUTE for r in spectral)
+            if accurate:  # matrices whose Gram-route bound was too loose for the output dtype
+                out["accurate_route_matrices"] = accurate
         return out
 
     return summary

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 
 from dghard_cli.errors import InputError
+from dghard_cli.methods import subspace_svd as svd
 from dghard_cli.methods.registry import INT, BuildContext, MergeMethod, Param
 from dghard_cli.methods.subspace import (
     ALPHA_SWEEP_RANGE,
@@ -95,7 +96,12 @@ def tsv_plan(override: int | None, alpha: float):
         zz = inv_sqrt_psd(blocks.left_gram(left, width))
         kernel, rank, amp_v = polar_kernel(zz, v_cat, d, alpha)
         stats = {"per_task_rank": k, "task_ranks": [len(s) for s in sigmas]}
-        return Result(left, kernel, rank, max(*amps, zz.amplification, amp_v), stats)
+        noises = [blocks.noise([i]) for i in range(blocks.n)]
+
+        def accurate(xs: list[torch.Tensor]) -> svd.SvdResult:
+            return svd.tsv(xs, k, alpha, noises)
+
+        return Result(left, kernel, rank, max(*amps, zz.amplification, amp_v), stats, accurate)
 
     return plan
 

@@ -18,8 +18,10 @@ one rule over the merge-method registry (:mod:`dghard_cli.methods.registry`):
    on the block's ``density`` grid, and (b) a LiNeS schedule ``dghard merge … --lines α,β``
    over that merge (the schedule multiplies the merged update: λ(ℓ) = α + β·ℓ/(L−1) on top of
    the strength found), from the block's ``lines`` pairs, refined by the compass search of the
-   ``lines`` family. The follow-ups are chosen from the results alone, so a resumed sweep
-   derives the same ones.
+   ``lines`` family; and (b) for the best merge of every other family within noise of it
+   (``FOLLOWUP_NOISE`` HM points, or ``--tie-tolerance``), as many as the reserve gives two
+   evaluations each — a family a little behind on strength alone may lead with its schedule.
+   The follow-ups are chosen from the results alone, so a resumed sweep derives the same ones.
 
 Relies on :mod:`dghard_cli.sweep.candidates` (entries, kinds) and
 :mod:`dghard_cli.sweep.lines_candidates` (the schedule entry).
@@ -43,6 +45,14 @@ METHOD_KEYS = ("grid", "range")
 LINES_RANGE = {"alpha": (0.0, 1.0), "beta": (0.0, 2.0)}
 #: The share of the candidate budget kept for the follow-ups.
 FOLLOWUP_SHARE = 4  # a quarter
+#: Families whose best HM is within this many points of the best family's get their own LiNeS
+#: follow-up (or within ``--tie-tolerance``, if larger): on the real-model merge benchmark the
+#: paired standard error of two merges' normalised accuracy is about 1.3 points, and task
+#: arithmetic with a schedule matched Iso-C there while TIES, the best strength search on
+#: another scenario, took every follow-up and lost by 5.6 HM.
+FOLLOWUP_NOISE = 2.0
+#: Evaluations a family's schedule follow-up needs at the least (its grid's first two points).
+FOLLOWUP_MIN_EVALS = 2
 
 
 @dataclass
@@ -205,11 +215,38 @@ def followup_reserve(entries: list[FamilyEntry], candidate_budget: int) -> int:
     return candidate_budget // FOLLOWUP_SHARE
 
 
+def followup_families(rows: list[dict], tie_tolerance: float, candidate_budget: int) -> list[dict]:
+    """The rows whose merges get follow-ups: each family's best row (``objective``, earliest
+    ``order`` first among equals), best family first, keeping those in the best one's feasibility
+    class within ``max(FOLLOWUP_NOISE, tie_tolerance)`` HM points of it, at most as many as the
+    follow-ups' reserve gives ``FOLLOWUP_MIN_EVALS`` evaluations each (at least the best)."""
+    best_of: dict[int, dict] = {}
+    for r in rows:
+        cur = best_of.get(r["entry"])
+        if cur is None or (r["objective"], -r["order"]) > (cur["objective"], -cur["order"]):
+            best_of[r["entry"]] = r
+    ranked = sorted(best_of.values(), key=lambda r: (r["objective"], -r["order"]), reverse=True)
+    if not ranked:
+        return []
+    top = ranked[0]["objective"]
+    margin = max(FOLLOWUP_NOISE, tie_tolerance)
+    near = [r for r in ranked if r["objective"][0] == top[0] and r["objective"][1] >= top[1] - margin]
+    cap = max(1, (candidate_budget // FOLLOWUP_SHARE) // FOLLOWUP_MIN_EVALS)
+    return near[:cap]
+
+
 def followups(
-    entry: FamilyEntry, cand: Candidate, start: int, base: Checkpoint, ft: Checkpoint
+    entry: FamilyEntry,
+    cand: Candidate,
+    start: int,
+    base: Checkpoint,
+    ft: Checkpoint,
+    *,
+    density: bool = True,
 ) -> tuple[list[FamilyEntry], list[str]]:
-    """The follow-up entries of the best merge ``cand`` (of ``entry``), indices from ``start``,
-    and why one was left out (a schedule that cannot bind to the checkpoint)."""
+    """The follow-up entries of the merge ``cand`` (the best of ``entry``), indices from
+    ``start``, and why one was left out (a schedule that cannot bind to the checkpoint);
+    ``density``: whether it gets the density follow-up too (the best family only)."""
     from dghard_cli.schedule.bind import checkpoint_depth, schedule_problem
     from dghard_cli.sweep.lines_candidates import LinesEntry
 
@@ -218,7 +255,13 @@ def followups(
     f = entry.followups or {}
     kind = entry.kind
     params = dict(cand.params)
-    if f.get("density") and "density" in kind.axes and entry.axis != "density" and entry.axis in kind.fixed:
+    if (
+        density
+        and f.get("density")
+        and "density" in kind.axes
+        and entry.axis != "density"
+        and entry.axis in kind.fixed
+    ):
         lo, hi = kind.ranges["density"]
         grid = [d for d in f["density"] if lo <= d <= hi]
         if grid:

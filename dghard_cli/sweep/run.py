@@ -383,24 +383,31 @@ class _Sweep(EvaluationSteps, SweepReport):
             self.evaluate_round(batch[: self.cand_budget - len(self.rows)])
 
     def derive_followups(self) -> list[FamilyEntry]:
-        """The follow-up entries of the best merge of a ``merges:`` entry so far (none if none)."""
+        """The follow-up entries of the ``merges:`` entries' best merges so far (none if none):
+        the best one's, then those of every other family within noise of it
+        (:func:`merges.followup_families`)."""
         by_index = {e.index: e for e in self.active}
         rows = [
             r
             for r in self.rows
             if r["objective"] is not None and by_index.get(r["entry"]) and by_index[r["entry"]].followups
         ]
-        if not rows:
-            return []
-        best = max(rows, key=lambda r: (r["objective"], -r["order"]))
-        start = max(e.index for e in self.active) + 1
-        entries, notes = merges.followups(
-            by_index[best["entry"]], self.cands[best["key"]], start, self.base_ck, self.ft_cks[0]
-        )
-        self.warnings += notes
-        for e in entries:
+        start = max((e.index for e in self.active), default=-1) + 1
+        out: list[FamilyEntry] = []
+        for k, best in enumerate(merges.followup_families(rows, self.opts.tie_tolerance, self.cand_budget)):
+            entries, notes = merges.followups(
+                by_index[best["entry"]],
+                self.cands[best["key"]],
+                start + len(out),
+                self.base_ck,
+                self.ft_cks[0],
+                density=k == 0,
+            )
+            self.warnings += [n for n in notes if n not in self.warnings]
+            out += entries
+        for e in out:
             self.emit(kind="info", message=f"{e.origin}")
-        return entries
+        return out
 
     # -- output
     def finish(self) -> dict:
