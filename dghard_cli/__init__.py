@@ -122,15 +122,15 @@ def verify(directory: str | _Path, *, quick: bool = False, base: str | _Path | N
         from dghard_cli import verify
         print(verify("out/")["checks"])
     """
-    from dghard_cli.io.verify import verify_dir
+    from dghard_cli.verification import verify_directory
 
     if base is None:
-        return verify_dir(_Path(directory), deep=not quick, use_report=True)
+        return verify_directory(_Path(directory), deep=not quick)
     from dghard_cli.io.hub import open_checkpoint
 
     base_ck = open_checkpoint(str(base), label="BASE")  # an adapter directory, checked against BASE
     try:
-        return verify_dir(_Path(directory), deep=not quick, use_report=True, base=base_ck)
+        return verify_directory(_Path(directory), deep=not quick, base=base_ck)
     finally:
         base_ck.close()
 

@@ -18,9 +18,9 @@ from conftest import REPO, f64, load_dir, run_dghard
 from safetensors.torch import load_file
 
 from dghard_cli.audit.auditor import AuditOptions, audit_lora
-from dghard_cli.audit.findings import CODES
 from dghard_cli.errors import InputError
 from dghard_cli.lora.config import LoraConfig, pattern_key
+from dghard_cli.lora.findings import CODES
 from dghard_cli.lora.spectra import (
     dense_blocks,
     effective_rank,

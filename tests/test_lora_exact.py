@@ -29,11 +29,11 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from dghard_cli.engine.runner import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.io.hub import open_checkpoint  # noqa: E402
-from dghard_cli.io.verify import verify_dir  # noqa: E402
 from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
 from dghard_cli.merge import MergeOptions, merge  # noqa: E402
 from dghard_cli.repair import RepairOptions, repair  # noqa: E402
 from dghard_cli.schedule.spec import parse_lines  # noqa: E402
+from dghard_cli.verification import verify_directory  # noqa: E402
 
 warnings.filterwarnings("ignore", module="peft")
 transformers.logging.set_verbosity_error()
@@ -248,7 +248,7 @@ def test_every_adapter_dghard_writes_verifies(tiny, written, tmp_path):
     base = open_checkpoint(str(tiny["base"]), label="BASE")
     try:
         for name, d in written.items():
-            doc = verify_dir(d, deep=True, use_report=True, base=base)
+            doc = verify_directory(d, deep=True, base=base)
             assert doc["ok"] and doc["kind"] == "peft-lora", name
             assert "file sizes and sha256" in doc["checks"] and any("BASE" in c for c in doc["checks"])
     finally:
@@ -282,7 +282,7 @@ def test_a_tampered_adapter_fails_verify_naming_what_is_wrong(tiny, written, tmp
     d = _copy(written["mts"], tmp_path / "missing")
     (d / "adapter_model.safetensors").unlink()
     with pytest.raises(InputError, match="adapter_model.safetensors.*missing"):
-        verify_dir(d, deep=True, use_report=True)
+        verify_directory(d, deep=True)
     d = _copy(written["exact"], tmp_path / "rank")
     cfg = json.loads((d / "adapter_config.json").read_text())
     cfg["r"] = cfg["lora_alpha"] = cfg["r"] + 1

@@ -150,6 +150,61 @@ def test_no_import_cycles():
     assert not found, "import cycles in dghard_cli:\n" + describe(graph, found)
 
 
+def folder_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Folder -> the folders its modules import: the module graph with each module of a
+    sub-package replaced by its top folder under the package (``engine``, ``io``, ...); the
+    package's root modules (the public API, the commands' library functions) sit above every
+    folder and are left out."""
+
+    def folder(module: str) -> str | None:
+        parts = module.split(".")
+        return parts[1] if len(parts) > 2 else None
+
+    out: dict[str, set[str]] = {}
+    for module, targets in graph.items():
+        f = folder(module)
+        if f is None:
+            continue
+        out.setdefault(f, set())
+        for t in targets:
+            ft = folder(t)
+            if ft is not None and ft != f:
+                out[f].add(ft)
+                out.setdefault(ft, set())
+    return out
+
+
+def test_no_folder_level_cycles():
+    """Folders import one way: a folder that needs another never is needed by it, directly or
+    through others (8 of the 14 folders once formed one loop through four single lines)."""
+    graph = folder_graph(import_graph(PACKAGE_ROOT))
+    found = cycles(graph)
+    assert not found, "folder-level import cycles in dghard_cli:\n" + describe(graph, found)
+
+
+def test_a_folder_cycle_is_found_through_modules_that_are_not_cyclic(tmp_path):
+    """Two folders whose modules import each other's *other* modules: no module cycle, a folder
+    cycle; root modules are above the folders."""
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/top.py": "from pkg.x import a\nfrom pkg.y import d\n",
+            "pkg/x/__init__.py": "",
+            "pkg/x/a.py": "from pkg.y import c\n",
+            "pkg/x/b.py": "",
+            "pkg/y/__init__.py": "",
+            "pkg/y/c.py": "",
+            "pkg/y/d.py": "from pkg.x import b\n",
+        },
+    )
+    graph = import_graph(pkg)
+    assert cycles(graph) == []
+    folders = folder_graph(graph)
+    assert folders == {"x": {"y"}, "y": {"x"}}
+    assert cycles(folders) == [["x", "y"]]
+
+
 def test_the_graph_sees_the_package():
     """The walk reads real edges (a graph with none would pass the test above trivially)."""
     graph = import_graph(PACKAGE_ROOT)

@@ -1,7 +1,7 @@
 """``dghard audit-lora``: audit a PEFT LoRA adapter before anyone merges or serves it.
 
 :func:`audit_lora` returns a findings document (schema in the README): every check is a small
-function that turns config, names, shapes or numbers into :class:`~dghard_cli.audit.findings.Finding`
+function that turns config, names, shapes or numbers into :class:`~dghard_cli.lora.findings.Finding`
 objects, so each can be tested on its own. The adapter's tensors are read one module at a time
 (factors are ``r x n``: small); with ``--base`` the base is streamed one weight at a time, tall
 weights in row blocks.
@@ -30,15 +30,6 @@ from dghard_cli.audit.config_checks import (
     naming_findings,
     targeting_findings,
 )
-from dghard_cli.audit.findings import (
-    CODES,
-    LEVELS,
-    Finding,
-    finding,
-    natural_key,
-    reaches,
-    sort_findings,
-)
 from dghard_cli.audit.tensor_checks import (
     TINY_VS_PEERS,
     ModuleValues,
@@ -54,6 +45,15 @@ from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 from dghard_cli.lora.adapter import classify_tensors, open_adapter
 from dghard_cli.lora.config import LoraConfig, parse_config
+from dghard_cli.lora.findings import (
+    CODES,
+    LEVELS,
+    Finding,
+    finding,
+    natural_key,
+    reaches,
+    sort_findings,
+)
 
 SCHEMA_VERSION = 1
 

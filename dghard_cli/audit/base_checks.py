@@ -17,12 +17,6 @@ from dghard_cli.architecture import VOCAB_LEAVES
 from dghard_cli.audit.config_checks import (
     Geometry,
 )
-from dghard_cli.audit.findings import (
-    EXAMPLES,
-    Finding,
-    finding,
-    natural_key,
-)
 from dghard_cli.audit.tensor_checks import (
     ModuleValues,
     read_factors,
@@ -32,6 +26,12 @@ from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 from dghard_cli.lora.adapter import AdapterLayout
 from dghard_cli.lora.config import LoraConfig
+from dghard_cli.lora.findings import (
+    EXAMPLES,
+    Finding,
+    finding,
+    natural_key,
+)
 from dghard_cli.lora.spectra import (
     BlockSource,
     intruder_dimensions,

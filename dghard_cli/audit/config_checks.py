@@ -8,13 +8,13 @@ import math
 from dataclasses import dataclass
 
 from dghard_cli.architecture import EMBEDDING_OR_HEAD_PARTS
-from dghard_cli.audit.findings import (
+from dghard_cli.lora.adapter import PEFT_PREFIX, AdapterLayout, LoraModule, module_to_save
+from dghard_cli.lora.config import LoraConfig, pattern_key, pattern_table
+from dghard_cli.lora.findings import (
     EXAMPLES,
     Finding,
     finding,
 )
-from dghard_cli.lora.adapter import PEFT_PREFIX, AdapterLayout, LoraModule, module_to_save
-from dghard_cli.lora.config import LoraConfig, pattern_key, pattern_table
 from dghard_cli.lora.targets import is_targeted
 
 

@@ -13,14 +13,14 @@ import torch
 from dghard_cli.audit.config_checks import (
     Geometry,
 )
-from dghard_cli.audit.findings import (
-    Finding,
-    finding,
-)
 from dghard_cli.io.checkpoint import TensorInfo
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES, UNIT_ROUNDOFF
 from dghard_cli.lora.adapter import LoraModule
 from dghard_cli.lora.config import LoraConfig
+from dghard_cli.lora.findings import (
+    Finding,
+    finding,
+)
 from dghard_cli.lora.spectra import (
     lowrank_spectrum,
     spectrum_stats,

@@ -6,7 +6,6 @@ from typing import Annotated, Optional
 
 import typer
 
-from dghard_cli.audit.findings import LEVELS
 from dghard_cli.cli.common import (
     DeviceOpt,
     JsonOpt,
@@ -18,6 +17,7 @@ from dghard_cli.cli.common import (
     emit,
     run_cli,
 )
+from dghard_cli.lora.findings import LEVELS
 
 AUDIT_EPILOG = """
 **Examples**

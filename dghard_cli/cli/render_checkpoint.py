@@ -16,6 +16,7 @@ from rich.text import Text
 
 from dghard_cli.methods import registry
 from dghard_cli.report import plots
+from dghard_cli.report.build import VARIES
 
 # -- report --------------------------------------------------------------------------------------
 
@@ -126,7 +127,7 @@ def render_merge(console: Console, doc: dict) -> None:
         varies = set(p.get("varies_per_tensor", ()))
         t.add_row(
             "parameters",
-            ", ".join(f"{k}={registry.VARIES if k in varies else v}" for k, v in shown.items()),
+            ", ".join(f"{k}={VARIES if k in varies else v}" for k, v in shown.items()),
         )
     if "kept_fraction" in m:
         t.add_row("kept", ", ".join(f"{100 * k:.2f} %" for k in m["kept_fraction"]) + " of each delta")

@@ -39,7 +39,7 @@ def verify_cmd(
 
     def body() -> None:
         from dghard_cli.cli.render import render_verify
-        from dghard_cli.io.verify import verify_dir
+        from dghard_cli.verification import verify_directory
 
         if not directory.is_dir():
             raise InputError(f"{directory}: no such directory")
@@ -49,7 +49,7 @@ def verify_cmd(
 
             base_ck = open_checkpoint(base, label="BASE")
         try:
-            doc = verify_dir(directory, deep=not quick, use_report=True, base=base_ck)
+            doc = verify_directory(directory, deep=not quick, base=base_ck)
         except InputError as exc:
             raise CheckFailed(f"verification failed: {exc}") from None
         finally:

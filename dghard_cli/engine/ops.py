@@ -167,14 +167,6 @@ def element_spans(numel: int, elem_bytes: int, chunk_bytes: int) -> list[tuple[i
     return [(e0, min(e0 + step, numel)) for e0 in range(0, numel, step)]
 
 
-def row_ranges(info: TensorInfo, chunk_bytes: int) -> list[tuple[int, int] | None]:
-    """Row ranges that split a tensor into pieces of about ``chunk_bytes`` (None: whole)."""
-    if not info.shape or info.nbytes <= chunk_bytes or info.shape[0] <= 1:
-        return [None]
-    step = max(1, chunk_bytes // max(1, info.row_bytes))
-    return [(r0, min(r0 + step, info.shape[0])) for r0 in range(0, info.shape[0], step)]
-
-
 def passthrough(
     job: TensorJob, src: JobInputs, rec: dict, key: str = "ft0", chunk_bytes: int = 64 * 1024 * 1024
 ) -> Iterator[torch.Tensor]:

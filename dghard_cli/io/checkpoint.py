@@ -470,3 +470,11 @@ class Checkpoint:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def row_ranges(info: TensorInfo, chunk_bytes: int) -> list[tuple[int, int] | None]:
+    """Row ranges that split a tensor into pieces of about ``chunk_bytes`` (None: whole)."""
+    if not info.shape or info.nbytes <= chunk_bytes or info.shape[0] <= 1:
+        return [None]
+    step = max(1, chunk_bytes // max(1, info.row_bytes))
+    return [(r0, min(r0 + step, info.shape[0])) for r0 in range(0, info.shape[0], step)]

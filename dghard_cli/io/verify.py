@@ -6,9 +6,8 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.engine.ops import row_ranges
 from dghard_cli.errors import InputError
-from dghard_cli.io.checkpoint import Checkpoint, read_json_file
+from dghard_cli.io.checkpoint import Checkpoint, read_json_file, row_ranges
 from dghard_cli.io.files import REPORT_LIMIT
 from dghard_cli.io.output import file_sha256
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
@@ -33,14 +32,12 @@ def verify_dir(
     it was written. ``deep``: every floating tensor is read and checked for NaN/Inf, and each
     shard is opened with the reference ``safetensors`` library.
 
-    A PEFT adapter directory (``adapter_config.json``) is checked as an adapter
-    (:mod:`dghard_cli.lora.verify`: config, weights, report, and ``base`` when given).
+    A PEFT adapter directory (``adapter_config.json``) is not a checkpoint: it is refused here
+    and checked by :func:`dghard_cli.verification.verify_directory`, which tells the two apart.
     """
     path = Path(path)
     if (path / "adapter_config.json").is_file():
-        from dghard_cli.lora.verify import verify_adapter_dir
-
-        return verify_adapter_dir(path, deep=deep, base=base)
+        raise InputError(f"{path}: a PEFT adapter directory, not a checkpoint; check it with `dghard verify`")
     if base is not None:
         raise InputError(
             f"{path}: --base checks an adapter directory against its base, and this is a full checkpoint"

@@ -8,9 +8,9 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from dghard_cli.audit.findings import Finding, finding
 from dghard_cli.errors import InputError
 from dghard_cli.io.patterns import PLAIN_PATTERN, bounded, pattern_problem, reset_budgets
+from dghard_cli.lora.findings import Finding, finding
 
 ADAPTER_CONFIG = "adapter_config.json"
 

@@ -83,10 +83,6 @@ class Registry:
         return tuple(out)
 
 
-#: what a summary or model card shows for a parameter that varies by tensor (a recipe's gradient)
-VARIES = "varies per tensor (see the report)"
-
-
 @lru_cache(maxsize=1)
 def registry() -> Registry:
     """The built-in methods, then those of every ``dghard_cli.methods`` module with ``MERGE_METHODS``."""

@@ -18,7 +18,9 @@ import sys
 import torch
 
 from dghard_cli._version import __version__
-from dghard_cli.methods import registry
+
+#: what a summary or model card shows for a parameter that varies by tensor (a recipe's gradient)
+VARIES = "varies per tensor (see the report)"
 
 SCHEMA_VERSION = 1
 
@@ -219,7 +221,7 @@ def model_card(report: dict) -> str:
 
     shown = dict(report["parameters"])
     for k in shown.pop("varies_per_tensor", []):  # one tensor's value is not the recipe's
-        shown[k] = registry.VARIES
+        shown[k] = VARIES
     lines += [json.dumps(shown, indent=2), "```", "", "## Result", ""]
     if s.get("verdict"):
         lines += [f"**{s['verdict']}**", ""]
