@@ -1,12 +1,12 @@
 #!/usr/bin/env python3
-"""Peak RSS and wall time of the spectral merges (TSV-M, Iso-C, Iso-CTS) against TIES at 0.5B shapes.
+"""Peak RSS and wall time of the spectral merges (TSV-M, Iso-C, Iso-CTS, STAR, CART) against TIES at 0.5B shapes.
 
 Generates, with ``scripts/bench_cpu.py``'s generator, a Qwen2.5-0.5B-shaped bf16 base and three
 fine-tunes (``--layers`` decoder layers, the full 151936 × 896 tied embedding), then runs, each
 in its own process under ``/usr/bin/time -v``::
 
     dghard merge --method ties --density 0.2 BASE FT FT2 FT3 --out ...
-    dghard merge --method tsv | iso-c | iso-cts BASE FT FT2 FT3 --out ...
+    dghard merge --method tsv | iso-c | iso-cts | star | cart BASE FT FT2 FT3 --out ...
 
 and prints one markdown table (wall, peak RSS). The checkpoints are deleted at the end unless
 ``--keep``.
@@ -48,6 +48,8 @@ def main() -> None:
             ("tsv", []),
             ("iso-c", []),
             ("iso-cts", []),
+            ("star", []),
+            ("cart", []),
         ):
             out = work / f"out_{method}"
             shutil.rmtree(out, ignore_errors=True)

@@ -75,8 +75,8 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
     assert registry.method_names() == (
         "wise-ft", "task-arithmetic", "ties", "dare", "dare-linear", "dare-ties", "recall", "dg-hard",
         # then the method modules, in module-name order
-        "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "iso-c", "iso-cts", "model-stock",
-        "slerp", "tsv",
+        "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "iso-c", "iso-cts", "star", "cart",
+        "model-stock", "slerp", "tsv",
     )  # fmt: skip
     assert [p.name for p in registry.scalar_params()] == [
         "alpha",
@@ -85,10 +85,12 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
         "density",
         "seed",
         "scale",
-        # then the method modules' (breadcrumbs, della, iso, slerp, tsv)
+        # then the method modules' (breadcrumbs, della, iso, low_rank, slerp, tsv)
         "gamma",
         "epsilon",
         "common_space_fraction",
+        "eta",
+        "rank_ratio",
         "t",
         "tsv_rank",
     ]

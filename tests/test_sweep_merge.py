@@ -402,7 +402,8 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
         for m in registry.methods().values()
         if m.sweep_axes and m.fine_tunes != "one" and not m.calibrates
     ]
-    block = {"dare-linear", "breadcrumbs", "breadcrumbs-ties", "della", "della-linear"}
+    # excluded by the default file: variants, and methods not yet measured on the real model
+    block = {"dare-linear", "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "star", "cart"}
     assert [e.family for e in several] == [m for m in want if m not in block]
     own = {"tsv", "iso-c", "iso-cts"}  # the subspace merges' α: a grid of their own (merges.methods)
     for e in several:

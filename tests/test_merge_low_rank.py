@@ -1,0 +1,237 @@
+"""STAR and CART against float64 numpy references written here from the papers' formulas (full
+``np.linalg.svd``, nothing imported from the package's math), on generated sharded checkpoints
+(three fine-tunes of one BASE; Llama names, square, tall and wide matrices, tied and untied
+vocabularies, 1×N tensors); the degenerate inputs (one fine-tune, identical fine-tunes, Δ = 0,
+repeated singular values at the cut), each a finite documented result; the parameters' checks.
+
+Tolerances as in test_merge_spectral: every entry within ``1e-6·max|Δ*|`` of the reference plus
+the output dtype's rounding of the entry.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import f64, load_dir, run_dghard
+from test_merge_spectral import (
+    TIED,
+    _policy,
+    as64,
+    assert_close,
+    is_matrix,
+    odd_shapes,
+    run,
+    three,
+)
+
+from dghard_cli.testing.synthetic import write_checkpoint
+
+# -- references (the papers' formulas, float64, full SVDs) -----------------------------------------
+
+
+def _svd(a: np.ndarray):
+    u, s, vt = np.linalg.svd(a, full_matrices=False)
+    r = int(np.count_nonzero(s > 1e-6 * s[0])) if s.size and s[0] > 0 else 0
+    return u[:, :r], s[:r], vt[:r]
+
+
+def ref_star(b, fs, alpha=1.0, eta=40.0):
+    """α·mean_i of each Δ_i's top r_i triplets (σ's reaching η % of their sum), rescaled to keep
+    the nuclear norm."""
+    out = np.zeros_like(b)
+    for f in fs:
+        u, s, vt = _svd(f - b)
+        if not s.size:
+            continue
+        r = int(np.argmax(np.cumsum(s) >= eta / 100 * s.sum())) + 1
+        out += (u[:, :r] * (s[:r] * s.sum() / s[:r].sum())) @ vt[:r]
+    return alpha * out / len(fs)
+
+
+def ref_cart(b, fs, lam=2.0, ratio=0.12):
+    """τ̄ + λ·Σ_i [Δ_i − τ̄]_k, k = max(1, ⌊ratio·min(m, n)⌋)."""
+    deltas = [f - b for f in fs]
+    mean = np.mean(deltas, axis=0)
+    k = max(1, int(ratio * min(b.shape)))
+    out = mean.copy()
+    for d in deltas:
+        u, s, vt = _svd(d - mean)
+        out += lam * (u[:, :k] * s[:k]) @ vt[:k]
+    return out
+
+
+REFS = {"star": ref_star, "cart": ref_cart}
+
+
+def reference(method, base, fts, **kw):
+    out = {}
+    for name, b in base.items():
+        fs = [f[name] for f in fts]
+        if is_matrix(b):
+            out[name] = b + REFS[method](b, fs, **kw)
+        else:  # STAR: α·the mean; CART: the mean (its centred parts sum to zero)
+            scale = kw.get("alpha", 1.0) if method == "star" else 1.0
+            out[name] = b + scale * np.mean([f - b for f in fs], axis=0)
+    return out
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("low-rank-merge")
+    from test_merge_spectral import CFG
+
+    base, fts = three(root / "untied", CFG)
+    tbase, tfts = three(root / "tied", TIED)
+    return {
+        "base": base,
+        "fts": fts,
+        "B": as64(load_dir(base)),
+        "F": [as64(load_dir(f)) for f in fts],
+        "tbase": tbase,
+        "tfts": tfts,
+        "TB": as64(load_dir(tbase)),
+        "TF": [as64(load_dir(f)) for f in tfts],
+    }
+
+
+# -- the methods against their references ---------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "method,kw,ref_kw",
+    [
+        ("star", {}, {}),
+        ("star", {"alpha": 1.5, "eta": 70.0}, {"alpha": 1.5, "eta": 70.0}),
+        ("cart", {}, {}),
+        ("cart", {"lam": 0.8, "rank_ratio": 0.3}, {"lam": 0.8, "ratio": 0.3}),
+    ],
+)
+def test_methods_match_the_float64_references(tmp_path, models, method, kw, ref_kw):
+    doc, got = run(models["base"], models["fts"], tmp_path / "o", method, **kw)
+    assert_close(got, reference(method, models["B"], models["F"], **ref_kw), models["B"])
+    recs = {r["name"]: r for r in doc["tensors"]}
+    q = recs["model.layers.0.self_attn.q_proj.weight"]
+    assert q["merge_rule"] == method and q["route"] == "svd-float64" and q["error_bound"] < 1e-9
+    assert recs["model.norm.weight"]["merge_rule"] == "average"
+    assert doc["merge"]["low_rank_matrices"] == 2 + 2 * 7  # embeddings, head, 7 per layer
+    if method == "cart":
+        assert doc["parameters"]["lambda"] == kw.get("lam", 2.0)
+        assert doc["parameters"]["rank_ratio"] == kw.get("rank_ratio", 0.12)
+        assert q["rank_k"] == max(1, int(kw.get("rank_ratio", 0.12) * 48))
+    else:
+        assert doc["parameters"]["eta"] == kw.get("eta", 40.0) and doc["parameters"]["alpha"] == kw.get(
+            "alpha", 1.0
+        )
+        assert all(1 <= r < 48 for r in q["task_ranks"])
+
+
+@pytest.mark.parametrize("method", ["star", "cart"])
+def test_tied_embeddings_and_small_row_blocks(tmp_path, models, method):
+    _, got = run(models["tbase"], models["tfts"], tmp_path / "o", method, block_bytes=8 * 48 * 5)
+    assert "lm_head.weight" not in got
+    assert_close(got, reference(method, models["TB"], models["TF"]), models["TB"])
+
+
+def test_the_cli_flags_and_recipe_keys(tmp_path, models):
+    out = tmp_path / "o"
+    res = run_dghard(
+        "merge", "--method", "cart", "--lambda", "1.5", "--rank-ratio", "0.25",
+        models["base"], *models["fts"], "--out", out, "--report", tmp_path / "r.json",
+    )  # fmt: skip
+    assert res.returncode == 0, res.stderr
+    assert_close(load_dir(out), reference("cart", models["B"], models["F"], lam=1.5, ratio=0.25), models["B"])
+    rec = tmp_path / "recipe.yaml"
+    rec.write_text(
+        f"method: star\nbase: {models['base']}\nmodels:\n"
+        + "".join(f"  - {f}\n" for f in models["fts"])
+        + "eta: 60\nalpha: 0.5\n"
+    )
+    res = run_dghard("merge", "--config", rec, "--out", tmp_path / "o2")
+    assert res.returncode == 0, res.stderr
+    assert_close(
+        load_dir(tmp_path / "o2"),
+        reference("star", models["B"], models["F"], alpha=0.5, eta=60.0),
+        models["B"],
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--method", "star", "--eta", "0"], "--eta must be in (0, 100]"),
+        (["--method", "star", "--eta", "150"], "--eta must be in (0, 100]"),
+        (["--method", "star", "--alpha", "-1"], "--alpha must be in"),
+        (["--method", "cart", "--rank-ratio", "0"], "--rank-ratio must be in (0, 1]"),
+        (["--method", "cart", "--rank-ratio", "nan"], "--rank-ratio must be a finite number"),
+        (["--method", "ties", "--eta", "40"], "--eta"),
+    ],
+)
+def test_bad_parameters_are_one_line_refusals(tmp_path, models, args, message):
+    res = run_dghard("merge", *args, models["base"], *models["fts"], "--out", tmp_path / "o")
+    assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+# -- degenerate inputs ----------------------------------------------------------------------------
+
+
+def test_one_fine_tune(tmp_path, models):
+    """CART: the centred part is zero, W = W_base + Δ (the fine-tune); STAR: α·STAR(Δ)."""
+    _, got = run(models["base"], models["fts"][:1], tmp_path / "c", "cart")
+    assert_close(got, {k: v for k, v in models["F"][0].items()}, models["B"])
+    _, got = run(models["base"], models["fts"][:1], tmp_path / "s", "star", alpha=0.5)
+    assert_close(got, reference("star", models["B"], models["F"][:1], alpha=0.5), models["B"])
+
+
+@pytest.mark.parametrize("method", ["star", "cart"])
+def test_identical_fine_tunes(tmp_path, models, method):
+    """STAR: the average of two equal truncations is one; CART: the centred parts vanish (W = FT)."""
+    fts = [models["fts"][0], models["fts"][0]]
+    _, got = run(models["base"], fts, tmp_path / "o", method)
+    assert_close(got, reference(method, models["B"], [models["F"][0]] * 2), models["B"])
+
+
+@pytest.mark.parametrize("method", ["star", "cart"])
+def test_zero_deltas_give_base_exactly(tmp_path, models, method):
+    """The reference code divides 0 by 0 for a zero task vector (STAR's rescale): here its
+    directions are zeros and W = BASE, bit for bit."""
+    doc, got = run(models["base"], [models["base"], models["base"]], tmp_path / "o", method)
+    base = load_dir(models["base"])
+    assert all(torch.equal(got[k], base[k]) for k in base)
+    assert all(r["rank"] == 0 or method == "cart" for r in doc["tensors"] if r.get("merge_rule") == method)
+
+
+@pytest.mark.parametrize("method", ["star", "cart"])
+def test_thin_matrices(tmp_path, method):
+    """1×N: averaged; 2×N and N×3: matrices (k = 1 for CART)."""
+    base, fts = odd_shapes(tmp_path)
+    _, got = run(base, fts, tmp_path / "o", method, policy=_policy(min_numel=0))
+    b, f = as64(load_dir(base)), [as64(load_dir(x)) for x in fts]
+    ref = {}
+    for name, bb in b.items():
+        fs = [x[name] for x in f]
+        ref[name] = bb + (REFS[method](bb, fs) if is_matrix(bb) else np.mean([x - bb for x in fs], axis=0))
+    assert_close(got, ref, b)
+
+
+def test_a_cut_between_equal_singular_values_keeps_them_together(tmp_path):
+    """Δ with singular values 1, 1, 1, 1, 0.5, ...: STAR at η 30 reaches 30 % of the nuclear norm
+    at the second value, which equals the third and fourth — which of them is kept is rounding.
+    The cut is extended over values the output cannot tell apart: all four kept, rescaled to keep
+    the nuclear norm; the record's error bound says the kept subspace is determined."""
+    g = torch.Generator().manual_seed(7)
+    u = torch.linalg.qr(torch.randn((40, 16), generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn((16, 16), generator=g, dtype=torch.float64))[0]
+    s = torch.tensor([1.0] * 4 + [0.5] * 4 + [0.25] * 8, dtype=torch.float64)
+    delta = (u * s) @ v.T
+    name = "model.layers.0.mlp.down_proj.weight"
+    write_checkpoint(tmp_path / "b", [(name, torch.zeros((40, 16), dtype=torch.float64))], config=None)
+    write_checkpoint(tmp_path / "f", [(name, delta)], config=None)
+    doc, got = run(
+        tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "star", eta=30.0, policy=_policy(min_numel=0)
+    )
+    rec = next(r for r in doc["tensors"] if r["name"] == name)
+    assert rec["task_ranks"] == [4] and rec["error_bound"] < 2.0**-24, rec
+    want = (u[:, :4] * (s.sum() / 4.0)) @ v[:, :4].T
+    assert np.abs(f64(got[name]) - want.numpy()).max() < 1e-9
