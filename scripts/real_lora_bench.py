@@ -174,13 +174,21 @@ def cmd_table(args: argparse.Namespace) -> int:
         t1 = time.time()
         evaluate_both(cand, name)
         shutil.rmtree(cand, ignore_errors=True)
-        print(f"[lora] {i}/{len(CANDIDATES) + 1} {name}: write {t1 - t0:.0f} s, eval {time.time() - t1:.0f} s")
+        print(
+            f"[lora] {i}/{len(CANDIDATES) + 1} {name}: write {t1 - t0:.0f} s, eval {time.time() - t1:.0f} s"
+        )
     print_table(res_dir, json.loads(audit_file.read_text()))
     return 0
 
 
 def _score(res_dir: Path, split: str, names: list[str]) -> dict[str, dict]:
-    argv = ["score", "--base", str(res_dir / f"BASE.{split}.json"), "--ft", str(res_dir / f"LORA.{split}.json")]
+    argv = [
+        "score",
+        "--base",
+        str(res_dir / f"BASE.{split}.json"),
+        "--ft",
+        str(res_dir / f"LORA.{split}.json"),
+    ]
     argv += ["--units", "points", "--json"]
     for n in names:
         argv += ["--candidate", f"{n}={res_dir / f'{n}.{split}.json'}"]
@@ -192,7 +200,9 @@ def print_table(res_dir: Path, audit: dict) -> None:
     codes: dict[str, int] = {}
     for f in audit.get("findings", []):
         codes[f"{f.get('level')} {f.get('code')}"] = codes.get(f"{f.get('level')} {f.get('code')}", 0) + 1
-    print(f"audit-lora --base: exit {audit['_exit']} in {audit['_wall_s']:.0f} s; findings: {codes or 'none'}")
+    print(
+        f"audit-lora --base: exit {audit['_exit']} in {audit['_wall_s']:.0f} s; findings: {codes or 'none'}"
+    )
     print(f"audit summary: {json.dumps(audit.get('summary', {}))[:600]}")
     print()
     names = ["LORA"] + [c[0] for c in CANDIDATES if (res_dir / f"{c[0]}.test.json").exists()]
