@@ -184,6 +184,8 @@ def merge(
     t0 = time.perf_counter()
     method = canonical_method(opts.method)
     p = resolve_parameters(opts, len(fts))
+    if "svc_alpha" in p and "calibrate" not in p:
+        raise InputError("--svc-alpha sets SVC's floor: it applies with --calibrate svc")
     revs = opts.ft_revisions or [None] * len(fts)
     opened: list[Checkpoint] = []
     try:
@@ -204,6 +206,11 @@ def merge(
             params=p,
             out_dtype=opts.policy.out_dtype,
         )
+        if output.format == "peft" and "calibrate" in p:
+            raise InputError(
+                "--calibrate svc rescales the merged update's singular values, which the adapter routes "
+                "do not compute: write a full checkpoint (--format full)"
+            )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
         _check_dtypes(ft_cks)
         strengths = bind_schedule(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
@@ -235,6 +242,11 @@ def merge(
                 return _make_op(method, p, opts, recall_w, device)
             return PerTensorOp(sets, lambda q: _make_op(method, q, opts, recall_w, device))
 
+        if p.get("calibrate") == "svc":  # before the schedule: W_base + λ(ℓ)·ΔW_svc
+            from dghard_cli.methods import svc
+            from dghard_cli.methods.subspace import matrix_rule
+
+            make_op = svc.wrap(make_op, p.get("svc_alpha", svc.SVC_ALPHA), matrix_rule(opts.policy))
         if strengths is not None:
             extra["layer_strengths"] = strengths.report()
             make_op = wrap_scheduled(make_op)
@@ -252,7 +264,12 @@ def merge(
         parameters.update(output.full_parameters())
 
         def extra_report(records: list[dict]) -> dict:
-            return {**extra, "merge": registry.summary(method, records, p)}
+            out = {**extra, "merge": registry.summary(method, records, p)}
+            if p.get("calibrate") == "svc":
+                from dghard_cli.methods import svc
+
+                out["svc"] = {"alpha": p.get("svc_alpha", svc.SVC_ALPHA), **svc.summary(records)}
+            return out
 
         doc = write_model(
             command="merge",

@@ -93,6 +93,8 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
         "rank_ratio",
         "t",
         "tsv_rank",
+        # then the common ones (the SVC post-step's floor)
+        "svc_alpha",
     ]
     keys = list(top_keys())
     assert keys[:4] == ["method", "base", "models", "out"]

@@ -17,6 +17,7 @@ NUMBER, INT, WEIGHTS, PATH, MAPPING = "number", "integer", "weights", "path", "m
 #: A layer-strength schedule (text on the command line; text, a list or a mapping in a recipe).
 SCHEDULE = "schedule"
 BOOL = "boolean"  # a switch: ``--NAME/--no-NAME`` on the command line, true/false in a recipe
+STRING = "string"  # a word (one of the values the check accepts)
 
 
 @dataclass(frozen=True)
@@ -180,5 +181,45 @@ LAYER_STRENGTHS = Param(
     build=layer_strengths_value,
 )
 
+# A post-step every merge can take: SVC, singular value calibration (:mod:`dghard_cli.methods.svc`).
+
+
+def _check_calibrate(value: Any, method: MergeMethod, n_fts: int) -> str | None:
+    if value is not None and value != "svc":
+        raise InputError(f"--calibrate must be svc (singular value calibration), got {value!r}")
+    return value
+
+
+def _check_svc_alpha(value: Any, method: MergeMethod, n_fts: int) -> float | None:
+    if value is None:
+        return None
+    v = finite("svc-alpha", value)
+    if not v > 0.0:
+        raise InputError(f"--svc-alpha must be > 0 (the floor of SVC's overshoot ratios), got {v}")
+    return v
+
+
+def _given_only(name: str) -> Callable[[Any], dict]:
+    """Report entries of an optional post-step's parameter: none when it was not given."""
+    return lambda value: {} if value is None else {name: value}
+
+
+CALIBRATE = Param(
+    "calibrate",
+    STRING,
+    "svc: rescale the merged update's singular values (SVC), before --lines.",
+    check=_check_calibrate,
+    describe=_given_only("calibrate"),
+)
+SVC_ALPHA = Param(
+    "svc_alpha",
+    NUMBER,
+    "SVC's floor of the overshoot ratios, > 0 (default 0.1).",
+    check=_check_svc_alpha,
+    flag="--svc-alpha",
+    describe=_given_only("svc_alpha"),
+    sweep_range=(0.05, 1.0),
+)
+
 #: Parameters every method takes, after its own.
-COMMON: tuple[Param, ...] = (LINES, LAYER_STRENGTHS)
+COMMON: tuple[Param, ...] = (LINES, LAYER_STRENGTHS, CALIBRATE, SVC_ALPHA)

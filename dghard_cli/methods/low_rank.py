@@ -280,8 +280,7 @@ PARAMS = (
     Param(
         "eta",
         NUMBER,
-        "star: share (%) of each task vector's nuclear norm its kept singular directions reach "
-        "(default 40, the paper's).",
+        "star: % of each task vector's nuclear norm kept (default 40).",
         default=STAR_ETA,
         check=_check_eta,
         sweep_range=(5.0, 100.0),
@@ -289,7 +288,7 @@ PARAMS = (
     Param(
         "rank_ratio",
         NUMBER,
-        "cart: share of min(m, n) kept of each centred task vector, 0..1 (default 0.12).",
+        "cart: rank kept of each centred task vector, a share of min(m, n) (default 0.12).",
         default=CART_RANK_RATIO,
         check=_check_ratio,
         flag="--rank-ratio",

@@ -55,6 +55,7 @@ from dghard_cli.methods.declare import (  # noqa: F401 - what a method module im
     NUMBER,
     PATH,
     SCHEDULE,
+    STRING,
     WEIGHTS,
     BuildContext,
     MergeMethod,
@@ -208,6 +209,7 @@ def recipe_keys() -> dict[str, str]:
         MAPPING: "mapping",
         SCHEDULE: "schedule",
         BOOL: "boolean",
+        STRING: "string",
     }
     return {p.name: kinds[p.kind] for p in params().values() if p.recipe}
 

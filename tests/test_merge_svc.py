@@ -1,0 +1,142 @@
+"""SVC (``--calibrate svc``) after task arithmetic and TIES, with and without ``--lines``, against a
+float64 numpy reference written here from the paper's formula, on generated sharded checkpoints;
+the degenerate inputs (identical fine-tunes: the over-accumulation undone exactly; Δ = 0: BASE
+bit for bit) and the options' refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import load_dir, run_dghard
+from test_merge_spectral import CFG, as64, assert_close, is_matrix, run, three
+
+from dghard_cli.schedule.spec import LayerSchedule
+
+# -- the reference (the paper's formula, float64, full SVDs) ---------------------------------------
+
+
+def ref_svc(b: np.ndarray, merged: np.ndarray, fs: list[np.ndarray], alpha: float = 0.1) -> np.ndarray:
+    """W_base + U·diag(γ·σ)·Vᵀ of ΔW_m = merged − b, γ_r = T / Σ_i max(α, ⟨σ_r v_r, u_rᵀΔ_i⟩/‖u_rᵀΔ_i‖²)."""
+    u, s, vt = np.linalg.svd(merged - b, full_matrices=False)
+    total = np.zeros_like(s)
+    for f in fs:
+        a = u.T @ (f - b)
+        den = (a * a).sum(axis=1)
+        ratio = np.divide(s * (a * vt).sum(axis=1), den, out=np.zeros_like(s), where=den > 0)
+        total += np.maximum(alpha, ratio)
+    return b + (u * (len(fs) / total * s)) @ vt
+
+
+def calibrated(base: dict, merged: dict, fts: list[dict], alpha: float = 0.1) -> dict:
+    """Every tensor: SVC on the matrices, the merge's value elsewhere."""
+    return {
+        k: ref_svc(b, merged[k], [f[k] for f in fts], alpha) if is_matrix(b) else merged[k]
+        for k, b in base.items()
+    }
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("svc")
+    base, fts = three(root, CFG)
+    return {"base": base, "fts": fts, "B": as64(load_dir(base)), "F": [as64(load_dir(f)) for f in fts]}
+
+
+def test_task_arithmetic_then_svc_matches_the_reference(tmp_path, models):
+    b, fs = models["B"], models["F"]
+    doc, got = run(models["base"], models["fts"], tmp_path / "o", "task-arithmetic", lam=0.5, calibrate="svc")
+    merged = {k: v + 0.5 * sum(f[k] - v for f in fs) for k, v in b.items()}
+    assert_close(got, calibrated(b, merged, fs), b)
+    assert doc["parameters"]["calibrate"] == "svc" and "svc_alpha" not in doc["parameters"]
+    assert doc["svc"]["alpha"] == 0.1 and doc["svc"]["calibrated_matrices"] == 2 + 2 * 7
+    assert 0 < doc["svc"]["gamma_min"] <= doc["svc"]["gamma_max"] <= 1 / 0.1
+    # nearly orthogonal task vectors at λ 0.5: along each task's own directions the merge holds
+    # half of it (s ≈ 0.5 for that task, below α for the others), so SVC scales them up (γ > 1)
+    q = next(r for r in doc["tensors"] if r["name"] == "model.layers.0.self_attn.q_proj.weight")
+    assert q["svc"]["gamma_max"] > 1.0
+
+
+def test_ties_then_svc_calibrates_the_ties_merge(tmp_path, models):
+    """The calibration takes the merge as it is: TIES written in float64, then the formula."""
+    b, fs = models["B"], models["F"]
+    _, ties64 = run(
+        models["base"], models["fts"], tmp_path / "t", "ties", density=0.5, policy=_policy(out_dtype="F64")
+    )
+    _, got = run(
+        models["base"], models["fts"], tmp_path / "o", "ties", density=0.5, calibrate="svc", svc_alpha=0.3
+    )
+    assert_close(got, calibrated(b, as64(ties64), fs, alpha=0.3), b)
+
+
+def test_svc_comes_before_the_layer_schedule(tmp_path, models):
+    """--lines 0.5,0.5: layer 0's matrices get λ 0.5, layer 1's (the last) λ 1.0, of ΔW_svc."""
+    b, fs = models["B"], models["F"]
+    _, got = run(
+        models["base"],
+        models["fts"],
+        tmp_path / "o",
+        "task-arithmetic",
+        lam=0.5,
+        calibrate="svc",
+        schedule=LayerSchedule(0.5, 0.5),
+    )
+    merged = {k: v + 0.5 * sum(f[k] - v for f in fs) for k, v in b.items()}
+    ref = calibrated(b, merged, fs)
+    for name, lam in (("model.layers.0.mlp.up_proj.weight", 0.5), ("model.layers.1.mlp.up_proj.weight", 1.0)):
+        assert_close({name: got[name]}, {name: b[name] + lam * (ref[name] - b[name])}, {name: b[name]})
+
+
+def test_identical_fine_tunes_undo_the_over_accumulation_exactly(tmp_path, models):
+    """Task arithmetic of Δ twice gives 2Δ; every s_r is 2, γ_r = 2/(2 + 2) = ½: W = W_base + Δ."""
+    fts = [models["fts"][0], models["fts"][0]]
+    _, got = run(models["base"], fts, tmp_path / "o", "task-arithmetic", calibrate="svc")
+    want = {
+        k: models["F"][0][k] if is_matrix(v) else v + 2 * (models["F"][0][k] - v)
+        for k, v in models["B"].items()
+    }
+    assert_close(got, want, models["B"])
+
+
+def test_zero_deltas_give_base_exactly(tmp_path, models):
+    _, got = run(models["base"], [models["base"], models["base"]], tmp_path / "o", "ties", calibrate="svc")
+    base = load_dir(models["base"])
+    assert all(torch.equal(got[k], base[k]) for k in base)
+
+
+def test_the_recipe_key(tmp_path, models):
+    rec = tmp_path / "recipe.yaml"
+    rec.write_text(
+        f"method: task-arithmetic\nbase: {models['base']}\nmodels:\n"
+        + "".join(f"  - {f}\n" for f in models["fts"])
+        + "lambda: 0.5\ncalibrate: svc\nsvc_alpha: 0.2\n"
+    )
+    res = run_dghard("merge", "--config", rec, "--out", tmp_path / "o")
+    assert res.returncode == 0, res.stderr
+    b, fs = models["B"], models["F"]
+    merged = {k: v + 0.5 * sum(f[k] - v for f in fs) for k, v in b.items()}
+    assert_close(load_dir(tmp_path / "o"), calibrated(b, merged, fs, alpha=0.2), b)
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--svc-alpha", "0.2"], "--svc-alpha sets SVC's floor: it applies with --calibrate svc"),
+        (["--calibrate", "svd"], "--calibrate must be svc"),
+        (["--calibrate", "svc", "--svc-alpha", "0"], "--svc-alpha must be > 0"),
+        (["--calibrate", "svc", "--svc-alpha", "inf"], "--svc-alpha must be a finite number"),
+        (["--calibrate", "svc", "--format", "peft", "--rank", "4"], "--calibrate svc rescales"),
+    ],
+)
+def test_bad_options_are_one_line_refusals(tmp_path, models, args, message):
+    res = run_dghard(
+        "merge", "--method", "ties", *args, models["base"], *models["fts"], "--out", tmp_path / "o"
+    )
+    assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def _policy(**kw):
+    from dghard_cli.engine.plan import PolicyOptions
+
+    return PolicyOptions(**kw)
