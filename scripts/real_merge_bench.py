@@ -412,6 +412,18 @@ DEFAULTS_ONLY = (
 #: RECALL and the subspace merges (whose writes take 2-5 min each here) are run without it only:
 #: left out to fit the benchmark's CPU budget, not measured.
 WITH_LINES = ("task-arithmetic", "ties", "dare-ties", "dg-hard", "model-stock")
+#: the merges of 2025-26 at their papers' defaults (one setting each: scored on test only), and
+#: SVC after the best task arithmetic and Iso-C rows' settings
+NEW_2026: tuple[tuple[str, str, list[str]], ...] = (
+    ("star", "defaults (η 40)", ["--method", "star"]),
+    ("cart", "defaults (ρ 0.12, λ 2)", ["--method", "cart"]),
+    (
+        "task-arithmetic + svc",
+        "λ 0.3, α 0.1",
+        ["--method", "task-arithmetic", "--lambda", "0.3", "--calibrate", "svc"],
+    ),
+    ("iso-c + svc", "α 1.0, svc α 0.1", ["--method", "iso-c", "--calibrate", "svc"]),
+)
 LINES = (0.3, 0.7)
 LINES_EXTRA: tuple[tuple[float, float], ...] = ()  # more --lines points for task arithmetic and TIES
 
@@ -441,6 +453,8 @@ def candidates(calib: Path) -> list[Candidate]:
         for a in SPECTRAL_ALPHAS:
             add(method, f"α {a}, bf16", ["--method", method, "--alpha", str(a), "--dtype", "bf16"])
         defaults.append((method, ["--method", method, "--dtype", "bf16"]))
+    for family, setting, argv in NEW_2026:
+        add(family, setting, argv)
     for family, argv in defaults:
         if family not in WITH_LINES:
             continue
@@ -673,7 +687,8 @@ def print_table(tb: Table, fams: dict, best: dict, sweeps: dict) -> None:
         key=lambda c: normalised(tb.result(c.name, "test"), own, base)["na"], reverse=True,
     )  # fmt: skip
     peers = [best.get("task-arithmetic"), best.get("ties")]
-    leaders = ranked[:3] + [c for c in ranked[3:] if c.family in SPECTRAL]
+    news = {f for f, _, _ in NEW_2026}
+    leaders = ranked[:3] + [c for c in ranked[3:] if c.family in SPECTRAL or c.family in news]
     leaders += [
         Candidate(f"sweep-{n}", f"sweep --budget {n}", "winner", [])
         for n in sweeps
