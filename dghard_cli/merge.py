@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dghard_cli.architecture import VOCAB_EMBEDDING
-from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
@@ -186,6 +185,12 @@ def merge(
     p = resolve_parameters(opts, len(fts))
     if "svc_alpha" in p and "calibrate" not in p:
         raise InputError("--svc-alpha sets SVC's floor: it applies with --calibrate svc")
+    if "calibrate" in p and len(fts) < 2:
+        # one task vector: s_r = the merge's own strength, and γ = 1/max(α, s) undoes it
+        raise InputError(
+            "--calibrate svc compares the merge with several task vectors: with one fine-tune it would "
+            "undo the merge's strength; merge two or more fine-tunes, or leave --calibrate out"
+        )
     revs = opts.ft_revisions or [None] * len(fts)
     opened: list[Checkpoint] = []
     try:
@@ -212,6 +217,25 @@ def merge(
                 "do not compute: write a full checkpoint (--format full)"
             )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
+        dense = (
+            "--calibrate svc"
+            if "calibrate" in p
+            else f"--method {method}"
+            if method in ("star", "cart")
+            else None
+        )
+        if dense is not None:  # their float64 SVDs of whole matrices: refused before anything is written
+            from dghard_cli.engine.device import resolve_device
+            from dghard_cli.engine.working_memory import check_dense_svd
+            from dghard_cli.methods.subspace import matrix_rule
+
+            check_dense_svd(
+                plan.jobs,
+                n_fts=len(ft_cks),
+                is_matrix=matrix_rule(opts.policy),
+                what=dense,
+                device=resolve_device(opts.run.device),
+            )
         _check_dtypes(ft_cks)
         strengths = bind_schedule(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}

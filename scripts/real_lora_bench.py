@@ -46,9 +46,9 @@ WISE = (0.3, 0.5, 0.7)
 
 CANDIDATES: list[tuple[str, str, str, list[str]]] = [
     # (name, family, setting, dghard argv; BASE ADAPTER inserted after the command, OUT appended)
+    # refused on an adapter (its update B·A has r non-zero singular values: the unknown-noise cut
+    # is undefined); the row records dghard's one-line refusal
     ("lora-dg-hard", "DG-Hard (repair defaults)", "the paper's cut", ["repair"]),
-    ("lora-hard-s2", "--shrink hard", "scale 2", ["repair", "--scale", "2"]),
-    ("lora-optimal", "--shrink optimal", "scale 1", ["repair", "--shrink", "optimal"]),
     *[(f"lora-wise-{a}", "WiSE-FT", f"α {a}", ["merge", "--method", "wise-ft", "--alpha", str(a)]) for a in WISE],
     ("lora-lines-0.2-0.6", "LiNeS (--lines A,B)", "A 0.2, B 0.6",
      ["merge", "--method", "task-arithmetic", "--lines", "0.2,0.6"]),
@@ -168,9 +168,29 @@ def cmd_table(args: argparse.Namespace) -> int:
         if (res_dir / f"{name}.test.json").exists():
             continue
         shutil.rmtree(cand, ignore_errors=True)
+        refused = res_dir / f"{name}.refused"
+        if refused.exists():
+            continue
         t0 = time.time()
         out = ["--out", str(cand)] if argv[0] == "merge" else [str(cand)]
-        rfb.dghard_cmd([argv[0], str(base), str(lora), *argv[1:], *out, "--format", "full", "--quiet"])
+        cmd = [
+            sys.executable,
+            "-m",
+            "dghard_cli",
+            argv[0],
+            str(base),
+            str(lora),
+            *argv[1:],
+            *out,
+            "--format",
+            "full",
+        ]
+        done = subprocess.run([*cmd, "--quiet"], text=True, stderr=subprocess.PIPE)
+        if done.returncode != 0:
+            lines = [ln for ln in done.stderr.splitlines() if ln.strip()]
+            refused.write_text(f"exit {done.returncode}: {lines[-1] if lines else 'no message'}\n")
+            print(f"[lora] {name}: refused ({refused.read_text().strip()[:120]})")
+            continue
         t1 = time.time()
         evaluate_both(cand, name)
         shutil.rmtree(cand, ignore_errors=True)
@@ -205,6 +225,9 @@ def print_table(res_dir: Path, audit: dict) -> None:
     )
     print(f"audit summary: {json.dumps(audit.get('summary', {}))[:600]}")
     print()
+    for name, fam, _, _ in CANDIDATES:
+        if (res_dir / f"{name}.refused").exists():
+            print(f"{fam}: {(res_dir / f'{name}.refused').read_text().strip()}")
     names = ["LORA"] + [c[0] for c in CANDIDATES if (res_dir / f"{c[0]}.test.json").exists()]
     val, test = _score(res_dir, "val", names), _score(res_dir, "test", names)
     sets = ["facts", "arithmetic", "instructions", "prose", rfb.TARGET]

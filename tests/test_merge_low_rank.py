@@ -186,10 +186,13 @@ def test_one_fine_tune(tmp_path, models):
 
 @pytest.mark.parametrize("method", ["star", "cart"])
 def test_identical_fine_tunes(tmp_path, models, method):
-    """STAR: the average of two equal truncations is one; CART: the centred parts vanish (W = FT)."""
+    """STAR: the average of two equal truncations is one; CART: the centred parts vanish (W = FT),
+    and the records say so (their rounding, relative to the task vector, is no direction)."""
     fts = [models["fts"][0], models["fts"][0]]
-    _, got = run(models["base"], fts, tmp_path / "o", method)
+    doc, got = run(models["base"], fts, tmp_path / "o", method)
     assert_close(got, reference(method, models["B"], [models["F"][0]] * 2), models["B"])
+    if method == "cart":
+        assert all(r["task_ranks"] == [0, 0] for r in doc["tensors"] if r.get("merge_rule") == "cart")
 
 
 @pytest.mark.parametrize("method", ["star", "cart"])
@@ -199,7 +202,7 @@ def test_zero_deltas_give_base_exactly(tmp_path, models, method):
     doc, got = run(models["base"], [models["base"], models["base"]], tmp_path / "o", method)
     base = load_dir(models["base"])
     assert all(torch.equal(got[k], base[k]) for k in base)
-    assert all(r["rank"] == 0 or method == "cart" for r in doc["tensors"] if r.get("merge_rule") == method)
+    assert all(r["kept_directions"] == 0 for r in doc["tensors"] if r.get("merge_rule") == method)
 
 
 @pytest.mark.parametrize("method", ["star", "cart"])
@@ -235,3 +238,25 @@ def test_a_cut_between_equal_singular_values_keeps_them_together(tmp_path):
     assert rec["task_ranks"] == [4] and rec["error_bound"] < 2.0**-24, rec
     want = (u[:, :4] * (s.sum() / 4.0)) @ v[:, :4].T
     assert np.abs(f64(got[name]) - want.numpy()).max() < 1e-9
+
+
+@pytest.mark.parametrize("method", ["star", "cart"])
+def test_a_matrix_whose_svds_cannot_fit_is_refused_before_anything_is_written(
+    tmp_path, models, method, monkeypatch
+):
+    """The float64 SVDs of whole matrices: the working set of every matrix is checked against the
+    machine's memory from the shapes, before the first tensor is written (a refusal at the last
+    matrix once threw away every shard written before it)."""
+    import dghard_cli.engine.working_memory as wm
+
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 10 * 8 * 48 * 48)
+    res_args = ("merge", "--method", method, models["base"], *models["fts"], "--out", tmp_path / "o")
+    with pytest.raises(Exception) as e:
+        run(models["base"], models["fts"], tmp_path / "o", method)
+    msg = str(e.value)
+    assert (
+        "float64 SVDs of the whole matrices" in msg
+        and f"--method {method}" in msg
+        and len(msg.splitlines()) == 1
+    )
+    assert not (tmp_path / "o").exists(), res_args

@@ -234,7 +234,12 @@ def test_registry_recipe_keys_and_flags(tmp_path, models):
     assert keys["tsv_rank"] == "integer" and keys["common_space_fraction"] == "number"
     assert {"tsv_rank", "common_space_fraction", "alpha", "lines"} <= set(top_keys())
     for m in ("tsv", "iso-c", "iso-cts"):
-        assert registry.get_method(m).all_params[-2:] == ("lines", "layer_strengths")
+        assert registry.get_method(m).all_params[-4:] == (
+            "lines",
+            "layer_strengths",
+            "calibrate",
+            "svc_alpha",
+        )
     assert registry.params()["tsv_rank"].cli_flag == "--tsv-rank"
     assert registry.params()["common_space_fraction"].cli_flag == "--common-space-fraction"
     r = tmp_path / "r.yaml"

@@ -126,12 +126,15 @@ def test_the_recipe_key(tmp_path, models):
         (["--calibrate", "svc", "--svc-alpha", "0"], "--svc-alpha must be > 0"),
         (["--calibrate", "svc", "--svc-alpha", "inf"], "--svc-alpha must be a finite number"),
         (["--calibrate", "svc", "--format", "peft", "--rank", "4"], "--calibrate svc rescales"),
+        (["--calibrate", "svc", "ONE"], "with one fine-tune it would undo the merge's strength"),
     ],
 )
 def test_bad_options_are_one_line_refusals(tmp_path, models, args, message):
-    res = run_dghard(
-        "merge", "--method", "ties", *args, models["base"], *models["fts"], "--out", tmp_path / "o"
-    )
+    """Among them: SVC with one fine-tune (s_r is the merge's own strength, and γ = 1/max(α, s)
+    gave back the fine-tune itself: wise-ft α 0.3 with --calibrate svc wrote FT, silently)."""
+    fts = models["fts"][:1] if "ONE" in args else models["fts"]
+    args = [a for a in args if a != "ONE"]
+    res = run_dghard("merge", "--method", "ties", *args, models["base"], *fts, "--out", tmp_path / "o")
     assert res.returncode == 2 and message in res.stderr and res.stderr.count("\n") == 1, res.stderr
     assert not (tmp_path / "o").exists()
 
@@ -140,3 +143,16 @@ def _policy(**kw):
     from dghard_cli.engine.plan import PolicyOptions
 
     return PolicyOptions(**kw)
+
+
+def test_a_matrix_whose_svd_cannot_fit_is_refused_before_anything_is_written(tmp_path, models, monkeypatch):
+    import dghard_cli.engine.working_memory as wm
+
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 10 * 8 * 48 * 48)
+    with pytest.raises(Exception) as e:
+        run(models["base"], models["fts"], tmp_path / "o", "task-arithmetic", calibrate="svc")
+    msg = str(e.value)
+    assert "for --calibrate svc (float64 SVDs of the whole matrices)" in msg and len(msg.splitlines()) == 1, (
+        msg
+    )
+    assert not (tmp_path / "o").exists()

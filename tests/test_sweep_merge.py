@@ -569,4 +569,9 @@ def test_followups_go_to_every_family_within_noise_of_the_best():
     wide = merges.followup_families(rows, 3.0, 32)
     assert [r["entry"] for r in wide] == [1, 0, 2]
     assert [r["entry"] for r in merges.followup_families(rows, 3.0, 8)] == [1]  # a reserve of 2
+    # the best family's density follow-up takes its share of the reserve (8 - 4 = 4: 2 families)
+    assert [r["entry"] for r in merges.followup_families(rows, 3.0, 32, density_evals=4)] == [1, 0]
     assert merges.followup_families([], 0.0, 32) == []
+    # no feasible merge yet: the ranking's second key is a retention, not HM: the best only
+    infeasible = [row(0, 50.0, 1, feasible=0), row(1, 49.5, 2, feasible=0)]
+    assert [r["entry"] for r in merges.followup_families(infeasible, 3.0, 32)] == [0]

@@ -49,6 +49,29 @@ def spectral_bytes(rows: int, cols: int) -> int:
 SPECTRAL_MERGES = frozenset({"dg-hard", "tsv", "iso-c", "iso-cts"})
 
 
+def dense_svd_bytes(rows: int, cols: int, n_fts: int) -> int:
+    """Working set of a merge computed from float64 SVDs of whole matrices (STAR, CART, the SVC
+    post-step, the subspace merges' accurate route): the T task vectors, their sum or
+    projections, the SVD's factors and its workspace, the result: ``(2T + 6)·8·m·n`` bytes."""
+    return (2 * n_fts + 6) * 8 * rows * cols
+
+
+def check_dense_svd(
+    jobs: Iterable[TensorJob], *, n_fts: int, is_matrix, what: str, device: torch.device | None = None
+) -> None:
+    """InputError for the first matrix whose dense float64 SVD work cannot fit in memory, before
+    anything is written (``what`` names the option that needs it)."""
+    limit = machine_memory(device)
+    if limit is None:
+        return
+    for job in jobs:
+        if job.runs_method and len(job.shape) == 2 and is_matrix(job):
+            rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
+            need = dense_svd_bytes(rows, job.shape[1], n_fts)
+            if need > limit:
+                _refuse(job, need, limit, f"for {what} (float64 SVDs of the whole matrices)")
+
+
 def ties_bytes(job: TensorJob) -> int:
     """TIES' whole-tensor selection: ``|Δ|`` in the work dtype and the radix buckets beside it."""
     return 3 * 4 * math.prod(job.shape)

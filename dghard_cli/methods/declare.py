@@ -218,7 +218,6 @@ SVC_ALPHA = Param(
     check=_check_svc_alpha,
     flag="--svc-alpha",
     describe=_given_only("svc_alpha"),
-    sweep_range=(0.05, 1.0),
 )
 
 #: Parameters every method takes, after its own.

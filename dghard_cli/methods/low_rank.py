@@ -37,8 +37,8 @@ Where the formulas are silent or degenerate (documented in docs/merge-methods.md
 - CART with one fine-tune, or identical ones: the centred parts are zero and W = W_base + Δ.
 
 Computed per matrix from float64 SVDs of the whole tall task vectors (``X_i``, N × M with
-M = min(m, n)): working set ≈ (T + 5)·8·N·M bytes (3 fine-tunes of a 4864 × 896 matrix, about
-280 MB), checked against the machine's memory first.
+M = min(m, n)): working set ≈ (2T + 6)·8·N·M bytes (3 fine-tunes of a 4864 × 896 matrix, about
+420 MB), checked against the machine's memory before anything is written.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, passthrough
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import finite
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
@@ -63,7 +62,7 @@ from dghard_cli.methods.subspace import (
     matrix_rule,
     tolerance,
 )
-from dghard_cli.methods.subspace_svd import ROUTE, SvdResult, svd_route_bytes
+from dghard_cli.methods.subspace_svd import ROUTE, SvdResult
 from dghard_cli.spectral.routes import GRAM_FLOOR
 
 EPS64 = 2.0**-52
@@ -74,11 +73,13 @@ CART_LAMBDA = 2.0
 # -- pure linear algebra --------------------------------------------------------------------------
 
 
-def numerical_rank(sig: np.ndarray, small: int) -> int:
-    """Singular values above the route's floor (σ² > 4·M·ε·σ_max²)."""
-    if not sig.size or not sig[0] > 0:
+def numerical_rank(sig: np.ndarray, small: int, reference: float | None = None) -> int:
+    """Singular values above the route's floor (σ² > 4·M·ε·σ_ref², σ_ref the matrix's own σ_max,
+    or ``reference`` for one computed as a difference: its rounding scales with what it came from)."""
+    top = float(sig[0]) if reference is None and sig.size else float(reference or 0.0)
+    if not sig.size or not top > 0:
         return 0
-    return int(np.count_nonzero(sig**2 > GRAM_FLOOR * small * EPS64 * sig[0] ** 2))
+    return int(np.count_nonzero(sig**2 > GRAM_FLOOR * small * EPS64 * top**2))
 
 
 def cut_with_ties(sig: np.ndarray, r: int, rank: int, unit: float) -> int:
@@ -100,13 +101,14 @@ def gap_kappa(sig: np.ndarray, r: int, rank: int) -> float:
 
 
 def truncate(
-    x: torch.Tensor, r_of: Callable[[np.ndarray, int], int], unit: float
+    x: torch.Tensor, r_of: Callable[[np.ndarray, int], int], unit: float, reference: float | None = None
 ) -> tuple[torch.Tensor, np.ndarray, int, float]:
     """The SVD of ``x`` cut at ``r_of(σ over the numerical rank, rank)`` (ties extended): the
-    factors ``U_r·diag(σ_r)``, all non-zero σ, the r used and σ_max/gap."""
+    product ``U_r·diag(σ_r)·V_rᵀ``, all non-zero σ, the r used and σ_max/gap (``reference``: see
+    :func:`numerical_rank`)."""
     u, s, vh = torch.linalg.svd(x, full_matrices=False)
     sig = s.cpu().numpy()
-    rank = numerical_rank(sig, x.shape[1])
+    rank = numerical_rank(sig, x.shape[1], reference)
     sig = sig[:rank]
     r = cut_with_ties(sig, min(r_of(sig, rank), rank), rank, unit) if rank else 0
     part = (u[:, :r] * s[:r]) @ vh[:r]
@@ -134,7 +136,7 @@ def star(xs: Sequence[torch.Tensor], eta: float, alpha: float, unit: float) -> S
         ranks.append(r)
         kappas.append(kappa)
     out.mul_(alpha / len(xs))
-    return SvdResult(out, min(sum(ranks), xs[0].shape[1]), max(kappas), {"task_ranks": ranks})
+    return SvdResult(out, sum(ranks), max(kappas), {"task_ranks": ranks})
 
 
 def cart_k(small: int, ratio: float) -> int:
@@ -151,12 +153,14 @@ def cart(xs: Sequence[torch.Tensor], ratio: float, lam: float, unit: float) -> S
     out = mean.clone()
     ranks, kappas = [], [1.0]
     for x in xs:
-        part, _, r, kappa = truncate(x - mean, lambda sig, rank: k, unit)
+        # the centred part is a difference: its rounding scales with the task vector (‖X_i‖_F ≥ σ_max)
+        ref = float(torch.linalg.vector_norm(x))
+        part, _, r, kappa = truncate(x - mean, lambda sig, rank: k, unit, reference=ref)
         if r:
             out.add_(part, alpha=lam)
         ranks.append(r)
         kappas.append(kappa)
-    return SvdResult(out, min(xs[0].shape[1], k * len(xs)), max(kappas), {"rank_k": k, "task_ranks": ranks})
+    return SvdResult(out, sum(ranks), max(kappas), {"rank_k": k, "task_ranks": ranks})
 
 
 # -- streaming ------------------------------------------------------------------------------------
@@ -187,13 +191,7 @@ class LowRankMergeOp:
             yield from self.average(job, src, rec)
             return
         blocks = TallBlocks(job, src, self.device, self.block_bytes)
-        need = svd_route_bytes(blocks.big, blocks.small, blocks.n)
-        limit = machine_memory(self.device)
-        if limit is not None and need > limit:
-            raise InputError(
-                f"tensor {job.name!r}: --method {self.name} needs about {need / 1e9:.1f} GB for the float64 "
-                "SVDs of its task vectors, more than this machine has; --exclude the tensor"
-            )
+        # the working set was checked for every matrix before anything was written (merge.py)
         xs = blocks.whole()
         if not all(bool(torch.isfinite(x).all()) for x in xs):
             if not src.allow_nonfinite:
@@ -211,7 +209,7 @@ class LowRankMergeOp:
             {
                 "merge_rule": self.name,
                 "route": ROUTE,
-                "rank": res.rank,
+                "kept_directions": res.rank,  # Σ_i r_i (no ``rank``: the merged update's is not computed)
                 "error_bound": float(f"{EPS64 * res.kappa:.4g}"),
                 **res.stats,
             }
@@ -268,8 +266,8 @@ def _summary(rule: str) -> Callable[[list[dict], dict], dict]:
         done = [r for r in rows if r.get("merge_rule") == rule]
         out: dict = {"low_rank_matrices": len(done), "averaged_tensors": len(rows) - len(done)}
         if done:
-            ranks = sorted(r["rank"] for r in done)
-            out["median_rank"] = ranks[len(ranks) // 2]
+            kept = sorted(r["kept_directions"] for r in done)
+            out["median_kept_directions"] = kept[len(kept) // 2]
             out["error_bound_max"] = max(r["error_bound"] for r in done)
         return out
 

@@ -249,12 +249,18 @@ class TallBlocks:
         return c
 
     def whole(self) -> list[torch.Tensor]:
-        """The tall forms ``X_i`` (N × M float64) of every task vector, whole (one pass)."""
-        parts: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        """The tall forms ``X_i`` (N × M float64) of every task vector, whole (one pass, written
+        into one preallocated matrix each)."""
+        out = [
+            torch.empty((self.big, self.small), dtype=torch.float64, device=self.device)
+            for _ in range(self.n)
+        ]
+        r0 = 0
         for _, xs in self:
-            for p, x in zip(parts, xs, strict=True):
-                p.append(x)
-        return [torch.cat(p) for p in parts]
+            for o, x in zip(out, xs, strict=True):
+                o[r0 : r0 + x.shape[0]] = x
+            r0 += xs[0].shape[0]
+        return out
 
     def output(
         self, left: Callable[[list[torch.Tensor]], torch.Tensor], k: torch.Tensor | None

@@ -16,9 +16,9 @@ a zero, and so is one at a computed adapter's rounding level), so both routes me
 directions and differ only in rounding. With that floor, this route's bound ``ε·σ_max/σ_min``
 stays below ``sqrt(ε/(4·M))`` ≤ 5.3e-9, finer than float32's unit roundoff.
 
-Working set: the T tall task vectors, their sum or projections, the SVD factors and ``Δ*``, about
-``(T + 5)·8·N·M`` bytes: 3 fine-tunes of a 4864 × 896 matrix, about 280 MB; of a 14336 × 4096
-one, about 3.8 GB. :func:`svd_route_bytes` gives it, and the op checks it against the machine's
+Working set: the T tall task vectors, their sum or projections, the SVD factors and workspace and
+``Δ*``, at most ``(2T + 6)·8·N·M`` bytes: 3 fine-tunes of a 4864 × 896 matrix, about 420 MB; of a
+14336 × 4096 one, about 5.6 GB. :func:`svd_route_bytes` gives it, and the op checks it against the machine's
 memory before taking this route.
 """
 
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dghard_cli.engine.working_memory import dense_svd_bytes
 from dghard_cli.spectral.routes import GRAM_FLOOR
 
 EPS64 = 2.0**-52
@@ -49,7 +50,7 @@ class SvdResult:
 
 def svd_route_bytes(rows: int, cols: int, n_fts: int) -> int:
     """Bytes of the accurate route's working set for one ``rows × cols`` matrix and T fine-tunes."""
-    return (n_fts + 5) * 8 * rows * cols
+    return dense_svd_bytes(rows, cols, n_fts)
 
 
 def top(
@@ -65,7 +66,7 @@ def top(
     rank = int(np.count_nonzero((sig > 0) & (sig**2 > floor) & (sig > noise)))
     k = max(0, min(k, rank))
     kappa = math.sqrt(lam_ref) / float(sig[k - 1]) if k else 1.0
-    return u[:, :k], sig[:k].copy(), vh[:k].T, kappa
+    return u[:, :k].clone(), sig[:k].copy(), vh[:k].T.clone(), kappa  # the full factors can go
 
 
 def polar(a: torch.Tensor) -> tuple[torch.Tensor, int, float]:

@@ -18,7 +18,7 @@ vocabulary matrices included, as FusionBench's "every 2-D parameter"); other ten
 merge's values. With a layer schedule the calibration comes first: W = W_base + λ(ℓ)·ΔW_svc.
 
 The wrapped merge writes the matrix in float64; the calibration works on the whole matrix in
-float64 (working set ≈ (T + 5)·8·m·n bytes, checked against the machine's memory first).
+float64 (working set ≈ (2T + 6)·8·m·n bytes, checked against the machine's memory first).
 """
 
 from __future__ import annotations
@@ -30,9 +30,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, TensorOp, cast_out, strength_hint
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
-from dghard_cli.methods.subspace_svd import svd_route_bytes
 
 #: The default floor of the overshoot ratios (the paper's README and FusionBench's configurations
 #: for task arithmetic, TIES, DARE and Iso-C; FusionBench uses 1.0 for TSV-M).
@@ -76,14 +74,7 @@ class CalibratedOp:
             yield from self.inner(job, src, rec)
             return
         rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
-        cols = job.shape[1]
-        need = svd_route_bytes(max(rows, cols), min(rows, cols), len(job.fts))
-        limit = machine_memory(self.device)
-        if limit is not None and need > limit:
-            raise InputError(
-                f"tensor {job.name!r}: --calibrate svc needs about {need / 1e9:.1f} GB for the float64 SVD of "
-                "its merged update, more than this machine has; --exclude the tensor"
-            )
+        # the working set was checked for every matrix before anything was written (merge.py)
         wide_job = dataclasses.replace(job, out_dtype=WIDE, final_dtype=job.final_dtype or job.out_dtype)
         merged = torch.cat([_wide(b) for b in self.inner(wide_job, src, rec)]).reshape(job.shape)
         if rec.get("nonfinite"):  # kept as it was (--allow-nonfinite)

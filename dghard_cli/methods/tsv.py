@@ -26,7 +26,8 @@ docs/merge-methods.md and tested):
 - identical fine-tunes: U_cat repeats its columns and the partial-isometry polar factor (over the
   non-zero singular values of U_cat) gives back the one task's top-k truncation: Δ* = α·[Δ]_k.
   Nearly identical ones make the orthogonalisation ill-conditioned, as in the paper: the
-  record's ``error_bound`` says by how much, and past the output's resolution the tensor is refused;
+  record's ``error_bound`` says by how much, and past the output's resolution the matrix takes
+  the accurate route (:mod:`.subspace_svd`);
 - one fine-tune: k = min(m, n) and Δ* = α·Δ; all Δ_i = 0: Δ* = 0 (BASE's values).
 
 Streaming (see :mod:`dghard_cli.methods.subspace`): pass 1 accumulates the T Gram matrices

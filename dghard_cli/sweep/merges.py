@@ -215,11 +215,14 @@ def followup_reserve(entries: list[FamilyEntry], candidate_budget: int) -> int:
     return candidate_budget // FOLLOWUP_SHARE
 
 
-def followup_families(rows: list[dict], tie_tolerance: float, candidate_budget: int) -> list[dict]:
+def followup_families(
+    rows: list[dict], tie_tolerance: float, candidate_budget: int, density_evals: int = 0
+) -> list[dict]:
     """The rows whose merges get follow-ups: each family's best row (``objective``, earliest
-    ``order`` first among equals), best family first, keeping those in the best one's feasibility
-    class within ``max(FOLLOWUP_NOISE, tie_tolerance)`` HM points of it, at most as many as the
-    follow-ups' reserve gives ``FOLLOWUP_MIN_EVALS`` evaluations each (at least the best)."""
+    ``order`` first among equals), best family first, then — when the best is feasible — the
+    other feasible ones within ``max(FOLLOWUP_NOISE, tie_tolerance)`` HM points of it, at most as
+    many as the follow-ups' reserve, less the best family's ``density_evals``, gives
+    ``FOLLOWUP_MIN_EVALS`` evaluations each (at least the best)."""
     best_of: dict[int, dict] = {}
     for r in rows:
         cur = best_of.get(r["entry"])
@@ -229,10 +232,27 @@ def followup_families(rows: list[dict], tie_tolerance: float, candidate_budget: 
     if not ranked:
         return []
     top = ranked[0]["objective"]
+    if top[0] != 1:  # no feasible merge yet: its second key is a retention, not HM
+        return ranked[:1]
     margin = max(FOLLOWUP_NOISE, tie_tolerance)
-    near = [r for r in ranked if r["objective"][0] == top[0] and r["objective"][1] >= top[1] - margin]
-    cap = max(1, (candidate_budget // FOLLOWUP_SHARE) // FOLLOWUP_MIN_EVALS)
+    near = [r for r in ranked if r["objective"][0] == 1 and r["objective"][1] >= top[1] - margin]
+    cap = max(1, (candidate_budget // FOLLOWUP_SHARE - density_evals) // FOLLOWUP_MIN_EVALS)
     return near[:cap]
+
+
+def density_followup_size(entry: FamilyEntry) -> int:
+    """Evaluations the density follow-up of ``entry``'s best merge takes (its grid's size)."""
+    f = entry.followups or {}
+    kind = entry.kind
+    if (
+        not f.get("density")
+        or "density" not in kind.axes
+        or entry.axis == "density"
+        or entry.axis not in kind.fixed
+    ):
+        return 0
+    lo, hi = kind.ranges["density"]
+    return len([d for d in f["density"] if lo <= d <= hi])
 
 
 def followups(

@@ -394,7 +394,10 @@ class _Sweep(EvaluationSteps, SweepReport):
         ]
         start = max((e.index for e in self.active), default=-1) + 1
         out: list[FamilyEntry] = []
-        for k, best in enumerate(merges.followup_families(rows, self.opts.tie_tolerance, self.cand_budget)):
+        top = max(rows, key=lambda r: (r["objective"], -r["order"]), default=None)
+        dens = merges.density_followup_size(by_index[top["entry"]]) if top is not None else 0
+        near = merges.followup_families(rows, self.opts.tie_tolerance, self.cand_budget, dens)
+        for k, best in enumerate(near):
             entries, notes = merges.followups(
                 by_index[best["entry"]],
                 self.cands[best["key"]],
