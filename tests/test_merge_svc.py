@@ -17,15 +17,18 @@ from dghard_cli.schedule.spec import LayerSchedule
 
 
 def ref_svc(b: np.ndarray, merged: np.ndarray, fs: list[np.ndarray], alpha: float = 0.1) -> np.ndarray:
-    """W_base + U·diag(γ·σ)·Vᵀ of ΔW_m = merged − b, γ_r = T / Σ_i max(α, ⟨σ_r v_r, u_rᵀΔ_i⟩/‖u_rᵀΔ_i‖²)."""
+    """W_base + U·diag(γ·σ)·Vᵀ of ΔW_m = merged − b, γ_r = T / Σ_i max(α, ⟨σ_r v_r, u_rᵀΔ_i⟩/‖u_rᵀΔ_i‖²);
+    singular values within ε·σ_max/2⁻²⁴ of each other (a flat spectrum) share one γ, from the
+    sums of those numerators and denominators over the cluster (independent of its basis)."""
     u, s, vt = np.linalg.svd(merged - b, full_matrices=False)
-    total = np.zeros_like(s)
+    c = np.concatenate([[0], np.cumsum(s[:-1] - s[1:] > 2.0**-52 * s[0] / 2.0**-24)]).astype(int)
+    total = np.zeros(c[-1] + 1)
     for f in fs:
         a = u.T @ (f - b)
-        den = (a * a).sum(axis=1)
-        ratio = np.divide(s * (a * vt).sum(axis=1), den, out=np.zeros_like(s), where=den > 0)
-        total += np.maximum(alpha, ratio)
-    return b + (u * (len(fs) / total * s)) @ vt
+        den = np.bincount(c, (a * a).sum(axis=1))
+        num = np.bincount(c, s * (a * vt).sum(axis=1))
+        total += np.maximum(alpha, np.divide(num, den, out=np.zeros_like(num), where=den > 0))
+    return b + (u * (len(fs) / total[c] * s)) @ vt
 
 
 def calibrated(base: dict, merged: dict, fts: list[dict], alpha: float = 0.1) -> dict:
@@ -156,3 +159,43 @@ def test_a_matrix_whose_svd_cannot_fit_is_refused_before_anything_is_written(tmp
         msg
     )
     assert not (tmp_path / "o").exists()
+
+
+def test_svc_after_iso_c_calibrates_its_flat_spectrum_as_one_cluster(tmp_path, models):
+    """Iso-C's merged update has one singular value σ̄ repeated: its singular directions are any
+    basis of that span, and the paper's per-direction γ would depend on LAPACK's choice (and on
+    a 576 × 1536 real matrix LAPACK's divide-and-conquer SVD failed to converge on it: "internal
+    error", exit 3). The repeated values share one γ, the same for every basis."""
+    b, fs = models["B"], models["F"]
+    _, iso64 = run(models["base"], models["fts"], tmp_path / "i", "iso-c", policy=_policy(out_dtype="F64"))
+    doc, got = run(models["base"], models["fts"], tmp_path / "o", "iso-c", calibrate="svc")
+    assert_close(got, calibrated(b, as64(iso64), fs), b)
+    q = next(r for r in doc["tensors"] if r["name"] == "model.layers.0.self_attn.q_proj.weight")
+    assert q["svc"]["gamma_min"] == q["svc"]["gamma_max"]  # one cluster: one γ
+
+
+def test_the_svd_falls_back_where_lapack_does_not_converge(monkeypatch):
+    from dghard_cli.methods import subspace_svd
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn((30, 12), generator=g, dtype=torch.float64)
+    real = torch.linalg.svd
+    calls: list = []
+    state = {"fail": 0}
+
+    def failing(a, full_matrices=True):
+        calls.append(a.shape)
+        if len(calls) <= state["fail"]:
+            raise torch.linalg.LinAlgError("linalg.svd: The algorithm failed to converge")
+        return real(a, full_matrices=full_matrices)
+
+    for fail in (1, 2):  # the transpose, then the Gram matrix's eigendecomposition
+        state["fail"] = fail
+        calls.clear()
+        monkeypatch.setattr(torch.linalg, "svd", failing)
+        u, s, vh = subspace_svd.svd64(x)
+        monkeypatch.setattr(torch.linalg, "svd", real)
+        assert u.shape == (30, 12) and vh.shape == (12, 12)
+        assert torch.allclose((u * s) @ vh, x, atol=1e-12)
+        assert torch.allclose(u.T @ u, torch.eye(12, dtype=torch.float64), atol=1e-10)
+        assert torch.all(s[:-1] >= s[1:])

@@ -62,7 +62,7 @@ from dghard_cli.methods.subspace import (
     matrix_rule,
     tolerance,
 )
-from dghard_cli.methods.subspace_svd import ROUTE, SvdResult
+from dghard_cli.methods.subspace_svd import ROUTE, SvdResult, svd64
 from dghard_cli.spectral.routes import GRAM_FLOOR
 
 EPS64 = 2.0**-52
@@ -106,7 +106,7 @@ def truncate(
     """The SVD of ``x`` cut at ``r_of(σ over the numerical rank, rank)`` (ties extended): the
     product ``U_r·diag(σ_r)·V_rᵀ``, all non-zero σ, the r used and σ_max/gap (``reference``: see
     :func:`numerical_rank`)."""
-    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    u, s, vh = svd64(x)
     sig = s.cpu().numpy()
     rank = numerical_rank(sig, x.shape[1], reference)
     sig = sig[:rank]

@@ -53,13 +53,38 @@ def svd_route_bytes(rows: int, cols: int, n_fts: int) -> int:
     return dense_svd_bytes(rows, cols, n_fts)
 
 
+def svd64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD ``U, σ, Vᵀ`` of a float64 matrix. LAPACK's divide-and-conquer driver can fail
+    to converge on many repeated singular values (an Iso-C merge's flat spectrum did, on a
+    576 × 1536 matrix); then the transpose is tried, then the eigendecomposition of the smaller
+    Gram matrix (exact for the repeated values that failed, ε·(σ_max/σ)² for small ones)."""
+    try:
+        return torch.linalg.svd(x, full_matrices=False)
+    except torch.linalg.LinAlgError:
+        pass
+    try:
+        u, s, vh = torch.linalg.svd(x.T, full_matrices=False)
+        return vh.T, s, u.T
+    except torch.linalg.LinAlgError:
+        pass
+    tall = x.shape[0] >= x.shape[1]
+    y = x if tall else x.T
+    lam, v = torch.linalg.eigh(y.T @ y)
+    lam, v = lam.flip(0).clamp_(min=0.0), v.flip(1)
+    s = lam.sqrt()
+    keep = s > 0
+    u = torch.zeros((y.shape[0], s.numel()), dtype=y.dtype, device=y.device)
+    u[:, keep] = (y @ v[:, keep]) / s[keep]
+    return (u, s, v.T) if tall else (v, s, u.T)
+
+
 def top(
     x: torch.Tensor, k: int, reference: float | None = None, noise: float = 0.0
 ) -> tuple[torch.Tensor, np.ndarray, torch.Tensor, float]:
     """The top ``min(k, numerical rank)`` singular triplets of ``x`` (U: N × k', σ, V: M × k') and
     ``σ_ref/σ_k'``. ``reference``: the σ_max² of the matrix ``x`` was projected from (its rounding
     scales with it; default ``x``'s own); ``noise``: singular values at or below it are zeros."""
-    u, s, vh = torch.linalg.svd(x, full_matrices=False)
+    u, s, vh = svd64(x)
     sig = s.cpu().numpy()
     lam_ref = float(sig[0] ** 2) if reference is None and sig.size else float(reference or 0.0)
     floor = GRAM_FLOOR * x.shape[1] * EPS64 * lam_ref
@@ -75,7 +100,7 @@ def polar(a: torch.Tensor) -> tuple[torch.Tensor, int, float]:
     r = a.shape[1]
     if r == 0:
         return a, 0, 1.0
-    p, s, qh = torch.linalg.svd(a, full_matrices=False)
+    p, s, qh = svd64(a)
     s_max = float(s[0])
     if not s_max > 0.0:
         return torch.zeros_like(a), 0, 1.0

@@ -31,27 +31,49 @@ import torch
 from dghard_cli.engine.ops import JobInputs, TensorOp, cast_out, strength_hint
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError
+from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF
+from dghard_cli.methods.subspace_svd import svd64
 
 #: The default floor of the overshoot ratios (the paper's README and FusionBench's configurations
 #: for task arithmetic, TIES, DARE and Iso-C; FusionBench uses 1.0 for TSV-M).
 SVC_ALPHA = 0.1
 #: The dtype the wrapped merge writes in (the calibration casts once).
 WIDE = "F64"
+EPS64 = 2.0**-52
+FINEST = 2.0**-24  # the finest resolution singular values are told apart at (float32's)
+
+
+def clusters(sigma: torch.Tensor, unit: float) -> torch.Tensor:
+    """A cluster index per singular value (descending): a new cluster wherever the next value is
+    more than ``ε·σ_max/unit`` below the last (values the output cannot tell apart share one)."""
+    if sigma.numel() == 0:
+        return torch.zeros(0, dtype=torch.long)
+    delta = EPS64 * float(sigma[0]) / unit
+    gaps = (sigma[:-1] - sigma[1:]) > delta
+    return torch.cat([torch.zeros(1, dtype=torch.long, device=sigma.device), gaps.long().cumsum(0)])
 
 
 def calibrate(
-    delta_m: torch.Tensor, deltas: Sequence[torch.Tensor], alpha: float
+    delta_m: torch.Tensor, deltas: Sequence[torch.Tensor], alpha: float, unit: float = 2.0**-24
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The calibrated merged update of ``delta_m`` (float64) and the factors γ (pure)."""
-    u, sigma, vh = torch.linalg.svd(delta_m, full_matrices=False)
-    total = torch.zeros_like(sigma)
+    """The calibrated merged update of ``delta_m`` (float64) and the factors γ (pure).
+
+    Singular values the output cannot tell apart (``unit``: its unit roundoff; an Iso-C merge's
+    flat spectrum is one such cluster) have no defined singular directions of their own — any
+    rotation within their span is as good an SVD — so each cluster c gets one γ from
+    s_cⁱ = Σ_{r∈c} ⟨σ_r·v_r, a_rⁱ⟩ / Σ_{r∈c} ‖a_rⁱ‖² (the same for every basis of the cluster);
+    distinct singular values, the usual case, are the paper's formula exactly."""
+    u, sigma, vh = svd64(delta_m)
+    c = clusters(sigma, unit)
+    n_c = int(c[-1]) + 1 if c.numel() else 0
+    total = torch.zeros(n_c, dtype=sigma.dtype, device=sigma.device)
     for d in deltas:
         a = u.T @ d  # rows a_rⁱ
-        den = (a * a).sum(dim=1)
-        num = sigma * (a * vh).sum(dim=1)  # ⟨σ_r·v_r, a_rⁱ⟩
+        den = torch.zeros_like(total).index_add_(0, c, (a * a).sum(dim=1))
+        num = torch.zeros_like(total).index_add_(0, c, sigma * (a * vh).sum(dim=1))  # ⟨σ_r·v_r, a_rⁱ⟩
         s = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
         total += torch.clamp(s, min=alpha)
-    gamma = len(deltas) / total
+    gamma = (len(deltas) / total)[c]
     return (u * (gamma * sigma)) @ vh, gamma
 
 
@@ -83,7 +105,8 @@ class CalibratedOp:
         dev = self.device
         base = src.base().to(device=dev, dtype=torch.float64)[:rows]
         deltas = [src.ft(i).to(device=dev, dtype=torch.float64)[:rows] - base for i in range(len(job.fts))]
-        delta, gamma = calibrate(merged[:rows].to(dev) - base, deltas, self.alpha)
+        unit = max(UNIT_ROUNDOFF.get(job.final_dtype or job.out_dtype, FINEST), FINEST)
+        delta, gamma = calibrate(merged[:rows].to(dev) - base, deltas, self.alpha, unit)
         del deltas
         out = base.add_(delta)
         if not bool(torch.isfinite(out).all()):
