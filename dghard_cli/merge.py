@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dghard_cli.architecture import VOCAB_EMBEDDING
+from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions, write_model
 from dghard_cli.errors import InputError
@@ -225,7 +226,6 @@ def merge(
             else None
         )
         if dense is not None:  # their float64 SVDs of whole matrices: refused before anything is written
-            from dghard_cli.engine.device import resolve_device
             from dghard_cli.engine.working_memory import check_dense_svd
             from dghard_cli.methods.subspace import matrix_rule
 
