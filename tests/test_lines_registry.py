@@ -23,9 +23,10 @@ CFG = ArchConfig(model_type="llama", hidden_size=32, intermediate_size=64, num_h
 
 
 def test_every_method_takes_the_schedule_once():
-    assert [p.name for p in COMMON] == ["lines", "layer_strengths"]
+    # the schedule's two spellings, then the SVC post-step's two parameters
+    assert [p.name for p in COMMON] == ["lines", "layer_strengths", "calibrate", "svc_alpha"]
     for m in registry.methods().values():
-        assert m.all_params[-2:] == ("lines", "layer_strengths")
+        assert m.all_params[-4:] == ("lines", "layer_strengths", "calibrate", "svc_alpha")
     assert registry.recipe_keys()["lines"] == registry.recipe_keys()["layer_strengths"] == "schedule"
     assert "lines" in top_keys() and "layer_strengths" in top_keys()
     assert "lines" not in [p.name for p in registry.scalar_params()]  # not a sweep axis of merge
