@@ -218,14 +218,7 @@ def merge(
                 "do not compute: write a full checkpoint (--format full)"
             )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
-        dense = (
-            "--calibrate svc"
-            if "calibrate" in p
-            else f"--method {method}"
-            if method in ("star", "cart")
-            else None
-        )
-        if dense is not None:  # their float64 SVDs of whole matrices: refused before anything is written
+        if "calibrate" in p:  # SVC's float64 SVDs of whole matrices: refused before anything is written
             from dghard_cli.engine.working_memory import check_dense_svd
             from dghard_cli.methods.subspace import matrix_rule
 
@@ -233,9 +226,12 @@ def merge(
                 plan.jobs,
                 n_fts=len(ft_cks),
                 is_matrix=matrix_rule(opts.policy),
-                what=dense,
+                what="--calibrate svc",
                 device=resolve_device(opts.run.device),
             )
+        check_plan = registry.methods()[method].check_plan
+        if check_plan is not None:
+            check_plan(p, plan.jobs, len(ft_cks), opts.policy, resolve_device(opts.run.device))
         _check_dtypes(ft_cks)
         strengths = bind_schedule(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}

@@ -76,7 +76,7 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
         "wise-ft", "task-arithmetic", "ties", "dare", "dare-linear", "dare-ties", "recall", "dg-hard",
         # then the method modules, in module-name order
         "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "iso-c", "iso-cts", "star", "cart",
-        "model-stock", "slerp", "tsv",
+        "model-stock", "slerp", "tsv", "wudi",
     )  # fmt: skip
     assert [p.name for p in registry.scalar_params()] == [
         "alpha",
@@ -85,7 +85,7 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
         "density",
         "seed",
         "scale",
-        # then the method modules' (breadcrumbs, della, iso, low_rank, slerp, tsv)
+        # then the method modules' (breadcrumbs, della, iso, low_rank, slerp, tsv, wudi)
         "gamma",
         "epsilon",
         "common_space_fraction",
@@ -93,6 +93,7 @@ def test_builtin_surfaces_are_derived_in_their_historic_order():
         "rank_ratio",
         "t",
         "tsv_rank",
+        "steps",
         # then the common ones (the SVC post-step's floor)
         "svc_alpha",
     ]

@@ -253,7 +253,7 @@ SUMMARY_NAMES = {
     "wise-ft": "WiSE-FT", "task-arithmetic": "task arithmetic", "ties": "TIES", "dare-linear": "DARE",
     "dare-ties": "DARE", "recall": "RECALL", "dg-hard": "DG-Hard", "breadcrumbs": "Breadcrumbs",
     "breadcrumbs-ties": "Breadcrumbs", "della": "DELLA", "della-linear": "DELLA", "iso-c": "Iso-C",
-    "iso-cts": "Iso-CTS", "model-stock": "Model Stock", "slerp": "SLERP", "tsv": "TSV-M", "star": "STAR", "cart": "CART",
+    "iso-cts": "Iso-CTS", "model-stock": "Model Stock", "slerp": "SLERP", "tsv": "TSV-M", "star": "STAR", "cart": "CART", "wudi": "WUDI",
 }  # fmt: skip
 
 

@@ -149,8 +149,8 @@ AllowLossyOpt = Annotated[
     typer.Option(
         "--allow-lossy",
         help="Adapter output: write it even when the default rank limit cuts the update (TIES/DARE of "
-        "adapters, a DoRA update that cannot stay DoRA); without it such a run is refused and says how "
-        "much is lost. The report says exact or lossy and the energy kept.",
+        "adapters, a DoRA update that cannot stay DoRA), which is otherwise refused; the report says "
+        "the energy kept.",
     ),
 ]
 

@@ -261,7 +261,7 @@ def _given_on_command_line(kw: dict) -> set[str]:
 
 def merge_cmd(**kw) -> None:
     """Merge one or more fine-tunes of the same base: WiSE-FT, task arithmetic, TIES, DARE, RECALL, DG-Hard,
-    SLERP, Breadcrumbs, DELLA, Model Stock, TSV-M, Iso-C, Iso-CTS, STAR, CART."""
+    SLERP, Breadcrumbs, DELLA, Model Stock, TSV-M, Iso-C, Iso-CTS, STAR, CART, WUDI."""
 
     models, method, config, out = kw["models"], kw["method"], kw["config"], kw["out"]
     base_revision, verbose, json_out = kw["base_revision"], kw["verbose"], kw["json_out"]

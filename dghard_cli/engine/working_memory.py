@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -57,19 +57,27 @@ def dense_svd_bytes(rows: int, cols: int, n_fts: int) -> int:
 
 
 def check_dense_svd(
-    jobs: Iterable[TensorJob], *, n_fts: int, is_matrix, what: str, device: torch.device | None = None
+    jobs: Iterable[TensorJob],
+    *,
+    n_fts: int,
+    is_matrix,
+    what: str,
+    device: torch.device | None = None,
+    bytes_of: Callable[[int, int, int], int] = dense_svd_bytes,
+    work: str = "float64 SVDs of the whole matrices",
 ) -> None:
-    """InputError for the first matrix whose dense float64 SVD work cannot fit in memory, before
-    anything is written (``what`` names the option that needs it)."""
+    """InputError for the first matrix whose float64 work (``bytes_of(rows, cols, T)``, by default
+    dense SVDs) cannot fit in memory, before anything is written (``what`` names the option that
+    needs it, ``work`` what it does)."""
     limit = machine_memory(device)
     if limit is None:
         return
     for job in jobs:
         if job.runs_method and len(job.shape) == 2 and is_matrix(job):
             rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
-            need = dense_svd_bytes(rows, job.shape[1], n_fts)
+            need = bytes_of(rows, job.shape[1], n_fts)
             if need > limit:
-                _refuse(job, need, limit, f"for {what} (float64 SVDs of the whole matrices)")
+                _refuse(job, need, limit, f"for {what} ({work})")
 
 
 def ties_bytes(job: TensorJob) -> int:

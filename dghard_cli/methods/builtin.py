@@ -34,7 +34,7 @@ def _any_finite(name: str) -> Callable[[Any, MergeMethod, int], float]:
 
 
 def _check_alpha(value: Any, method: MergeMethod, n_fts: int) -> float:
-    if method.name != "wise-ft":  # tsv, iso-c, iso-cts, star: the scale of the merged update
+    if method.name != "wise-ft":  # tsv, iso-c, iso-cts, star, wudi: the scale of the merged update
         return in_range(0.0, math.inf, "alpha")(value, method, n_fts)
     return in_range(0.0, 1.0, "alpha", " (0 = BASE, 1 = the fine-tune)")(value, method, n_fts)
 
@@ -121,8 +121,8 @@ BUILTIN_PARAMS: tuple[Param, ...] = (
     Param(
         "alpha",
         NUMBER,
-        "wise-ft: weight of the fine-tune, 0..1 (default 0.5); tsv, iso-c, iso-cts, star: scale of "
-        "the merged update, >= 0 (default 1).",
+        "wise-ft: the fine-tune's weight, 0..1 (default 0.5); others: the merged update's scale, >= 0 "
+        "(default 1).",
         default=0.5,
         check=_check_alpha,
         attr="alpha",

@@ -106,6 +106,9 @@ class MergeMethod:
     min_fine_tunes: int = 1  # model stock: at least 2
     #: checks across the resolved parameters (della: epsilon against density); InputError
     check_params: Callable[[dict, int], None] | None = None
+    #: checks against the plan before anything is written (working memory, accuracy):
+    #: ``check_plan(p, jobs, n_fts, policy, device)``, InputError naming the tensor
+    check_plan: Callable[[dict, Any, int, Any, Any], None] | None = None
 
     @property
     def all_params(self) -> tuple[str, ...]:

@@ -51,6 +51,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, passthrough
 from dghard_cli.engine.plan import TensorJob
+from dghard_cli.engine.working_memory import check_dense_svd
 from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import finite
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
@@ -261,6 +262,16 @@ def _cart_op(p: dict, ctx: BuildContext) -> LowRankMergeOp:
     )
 
 
+def _check_plan(method: str) -> Callable[[dict, Any, int, Any, Any], None]:
+    def check(p: dict, jobs: Any, n_fts: int, policy: Any, device: Any) -> None:
+        """Their float64 SVDs of whole matrices: refused before anything is written."""
+        check_dense_svd(
+            jobs, n_fts=n_fts, is_matrix=matrix_rule(policy), what=f"--method {method}", device=device
+        )
+
+    return check
+
+
 def _summary(rule: str) -> Callable[[list[dict], dict], dict]:
     def summary(rows: list[dict], p: dict) -> dict:
         done = [r for r in rows if r.get("merge_rule") == rule]
@@ -299,6 +310,7 @@ MERGE_METHODS = (
         ("alpha", "eta"),
         _star_op,
         summary=_summary("star"),
+        check_plan=_check_plan("star"),
         defaults={"alpha": 1.0},
         sweep_axes=("alpha", "eta"),
         sweep_fixed=("eta",),
@@ -309,6 +321,7 @@ MERGE_METHODS = (
         ("lambda", "rank_ratio"),
         _cart_op,
         summary=_summary("cart"),
+        check_plan=_check_plan("cart"),
         defaults={"lambda": CART_LAMBDA},
         sweep_axes=("lambda", "rank_ratio"),
         sweep_fixed=("rank_ratio",),

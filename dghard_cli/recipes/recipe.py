@@ -124,7 +124,7 @@ def _check_mapping(doc: dict, known: dict[str, str], where: str) -> None:
             raise InputError(f"{where}: key {key!r} has no value")
         if not _type_ok(value, known[key]):
             raise InputError(
-                f"{where}: key {key!r} must be a {known[key]}, got {type(value).__name__} {value!r}"
+                f"{where}: key {key!r} must be {_article(known[key])} {known[key]}, got {type(value).__name__} {value!r}"
             )
 
 
@@ -219,3 +219,7 @@ def load_recipe(path: str | Path) -> Recipe:
         tensor_parameters=per_tensor,
         tokenizer_source=tokenizer,
     )
+
+
+def _article(kind: str) -> str:
+    return "an" if kind[:1] in "aeiou" else "a"
