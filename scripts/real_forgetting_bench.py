@@ -653,9 +653,10 @@ def cmd_spectrum(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_parser(doc: str, budgets: str) -> tuple[argparse.ArgumentParser, object]:
+def bench_parser(doc: str, budgets: str, rows: bool = False) -> tuple[argparse.ArgumentParser, object]:
     """The real-model benchmarks' command line: ``build``, ``eval`` and ``table`` (shared with
-    scripts/real_merge_bench.py); returns the parser and its subparsers for more commands."""
+    scripts/real_merge_bench.py; ``rows``: its ``table --only``); returns the parser and its
+    subparsers for more commands."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
@@ -669,6 +670,13 @@ def bench_parser(doc: str, budgets: str) -> tuple[argparse.ArgumentParser, objec
     t = sub.add_parser("table")
     t.add_argument("workdir")
     t.add_argument("--budgets", default=budgets)
+    if rows:
+        t.add_argument(
+            "--only",
+            default="",
+            help="comma-separated table rows (families) to compute and print, e.g. task-arithmetic,wudi "
+            "(default: every row)",
+        )
     return ap, sub
 
 

@@ -41,7 +41,7 @@ Commands::
 
     python scripts/real_merge_bench.py build WORK        # run again until it says done (resumable)
     python scripts/real_merge_bench.py eval MODEL OUT.json [--split val|test] [--scenario WORK/scenario.json]
-    python scripts/real_merge_bench.py table WORK [--budgets 16,32]   # cached per candidate
+    python scripts/real_merge_bench.py table WORK [--budgets 16,32] [--only ROW,ROW]   # cached per candidate
 """
 
 from __future__ import annotations
@@ -382,7 +382,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap, _ = rfb.bench_parser(__doc__, "16")
+    ap, _ = rfb.bench_parser(__doc__, "16", rows=True)
     args = ap.parse_args(argv)
     return {"build": cmd_build, "eval": cmd_eval, "table": cmd_table}[args.cmd](args)
 
@@ -423,6 +423,8 @@ NEW_2026: tuple[tuple[str, str, list[str]], ...] = (
         ["--method", "task-arithmetic", "--lambda", "0.3", "--calibrate", "svc"],
     ),
     ("iso-c + svc", "α 1.0, svc α 0.1", ["--method", "iso-c", "--calibrate", "svc"]),
+    ("wudi", "defaults (300 steps)", ["--method", "wudi"]),
+    ("wudi + svc", "300 steps, svc α 0.1", ["--method", "wudi", "--calibrate", "svc"]),
 )
 LINES = (0.3, 0.7)
 LINES_EXTRA: tuple[tuple[float, float], ...] = ()  # more --lines points for task arithmetic and TIES
@@ -585,6 +587,12 @@ def cmd_table(args: argparse.Namespace) -> int:
         for split in ("val", "test"):
             tb.eval(d, n, split)
     cands = candidates(calib)
+    only = {f.strip() for f in args.only.split(",") if f.strip()}
+    if only:
+        unknown = only - {c.family for c in cands}
+        if unknown:
+            raise SystemExit(f"--only: no such row(s) {', '.join(sorted(unknown))}")
+        cands = [c for c in cands if c.family in only]
     sizes: dict[str, int] = {}
     for c in cands:
         sizes[c.family] = sizes.get(c.family, 0) + 1

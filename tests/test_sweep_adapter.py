@@ -250,3 +250,26 @@ def test_a_dora_adapter_sweeps_as_dora_adapters(swept, tmp_path):
     assert row["distance"] == pytest.approx(0.4, rel=1e-5)
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["use_dora"] is True
     assert set((tmp_path / "seen.txt").read_text().split()) == {"checkpoint"}
+
+
+def test_an_svc_follow_up_of_adapters_is_written_as_the_full_merge(swept):
+    """``--calibrate svc`` re-weights the merged update's singular values: not linear in the
+    adapters, and refused with an adapter output, so the sweep writes such a candidate with
+    ``--merge`` (the full checkpoint), while the same task arithmetic without it stays an adapter."""
+    from dghard_cli.io.checkpoint import Checkpoint
+    from dghard_cli.lora.source import open_ft
+    from dghard_cli.sweep.candidates import FamilyEntry
+    from dghard_cli.sweep.family_dispatch import make_candidate, writes_adapter
+
+    root, _, _ = swept
+    base = Checkpoint(root / "base", label="BASE")
+    fts = [open_ft(str(root / "ad"), base=base, label=f"FT #{i}") for i in (1, 2)]
+    try:
+        entry = FamilyEntry(family="task-arithmetic", grid=[0.5], axis="lambda", fine_tunes="several")
+        plain = make_candidate(entry, 0.5, n_fts=2)
+        svc = make_candidate(FamilyEntry(**{**entry.__dict__, "fixed": {"calibrate": "svc"}}), 0.5, n_fts=2)
+        assert dict(svc.params)["calibrate"] == "svc"
+        assert writes_adapter(plain, fts) and not writes_adapter(svc, fts)
+    finally:
+        for ck in (base, *fts):
+            ck.close()

@@ -294,6 +294,13 @@ def test_the_strength_search_starts_small_and_follows_up_the_best_merge(swept):
     near = {f for f, r in best_of.items() if r["hm"] >= top - 2.0}
     params = [{k: v for k, v in r["params"].items() if k != "lines"} for r in scheduled]
     assert params[0] == max(before, key=lambda r: r["hm"])["params"]
+    # the best merge, once with --calibrate svc at its strength
+    (svc,) = [f for f in follow if f["fixed"].get("calibrate") == "svc"]
+    top_row = max(before, key=lambda r: r["hm"])
+    assert svc["family"] == top_row["family"] and svc["grid"] == [top_row["value"]] and not svc["refine"]
+    calibrated = [r for r in doc["candidates"] if r["entry"] == svc["index"]]
+    assert [r["params"] for r in calibrated] == [{**top_row["params"], "calibrate": "svc"}]
+    assert calibrated[0]["status"] == "ok" and calibrated[0]["hm"] != top_row["hm"]  # SVC changed the merge
     assert {p["method"] for p in params} <= near
     for p in params:
         assert p == best_of[p["method"]]["params"]
@@ -403,7 +410,16 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
         if m.sweep_axes and m.fine_tunes != "one" and not m.calibrates
     ]
     # excluded by the default file: variants, and methods not yet measured on the real model
-    block = {"dare-linear", "breadcrumbs", "breadcrumbs-ties", "della", "della-linear", "star", "cart"}
+    block = {
+        "dare-linear",
+        "breadcrumbs",
+        "breadcrumbs-ties",
+        "della",
+        "della-linear",
+        "star",
+        "cart",
+        "wudi",
+    }
     assert [e.family for e in several] == [m for m in want if m not in block]
     own = {"tsv", "iso-c", "iso-cts"}  # the subspace merges' α: a grid of their own (merges.methods)
     for e in several:
@@ -459,6 +475,11 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
             "with 'grid' and",
         ),
         ({"grid": [0.3], "range": [0.1, 1.5], "methods": [1]}, "'methods' must map"),
+        (
+            {"grid": [0.3], "range": [0.1, 1.5], "calibrate": ["svd"]},
+            "calibrate 'svd': --calibrate must be svc",
+        ),
+        ({"grid": [0.3], "range": [0.1, 1.5], "calibrate": {"svc": 1}}, "'calibrate' must be a list"),
     ],
 )
 def test_merges_block_errors_name_the_key(block, message):
@@ -479,6 +500,9 @@ def test_a_method_given_its_own_grid_and_range_in_the_merges_block():
         "methods": {"iso-c": {"grid": [0.8, 2.5], "range": [0.5, 4]}},
     }
     by = {e.family: e for e in parse_candidates({"merges": block}, "c.yaml")}
+    assert by["iso-c"].followups["calibrate"] == []  # no post-step unless the block names one
+    by_svc = parse_candidates({"merges": {**block, "calibrate": "svc"}}, "c.yaml")
+    assert all(e.followups["calibrate"] == ["svc"] for e in by_svc)
     # searched as given, past α's declared 3 as a family entry's own range is (never clipped: a
     # grid outside the clipped range was silently replaced by its midpoint)
     assert by["iso-c"].grid == [0.8, 2.5] and by["iso-c"].range == (0.5, 4.0)
@@ -493,29 +517,39 @@ def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
     from dghard_cli.io.checkpoint import Checkpoint
     from dghard_cli.sweep import merges
     from dghard_cli.sweep.candidate_file import load_candidates
-    from dghard_cli.sweep.family_dispatch import make_candidate
+    from dghard_cli.sweep.family_dispatch import make_candidate, reproduce_argv
 
     entries, _ = load_candidates(None)
     (ties,) = [e for e in entries if e.family == "ties" and e.origin == "merges"]
     best = make_candidate(ties, 0.45, n_fts=3)
     base, ft = Checkpoint(experts.base, label="BASE"), Checkpoint(experts.fts[0], label="FT")
     try:
-        (dens, sched), notes = merges.followups(ties, best, 40, base, ft)
+        (dens, svc, sched), notes = merges.followups(ties, best, 40, base, ft)
     finally:
         base.close()
         ft.close()
-    assert not notes and (dens.index, sched.index) == (40, 41)
+    assert not notes and (dens.index, svc.index, sched.index) == (40, 41, 42)
+    # the SVC follow-up: the best merge itself, once, with --calibrate svc
+    assert (
+        svc.family == "ties" and svc.grid == [0.45] and not svc.refine and svc.fixed == {"calibrate": "svc"}
+    )
+    c = make_candidate(svc, 0.45, n_fts=3)
+    assert dict(c.params) == {**dict(best.params), "calibrate": "svc"}
+    argv = reproduce_argv(c, "B", ["F1", "F2", "F3"], "OUT", "auto")
+    assert argv[argv.index("--calibrate") + 1] == "svc" and argv[argv.index("--lambda") + 1] == "0.45"
     assert dens.family == "ties" and dens.axis == "density" and dens.grid == [0.1, 0.5]
     assert dens.fixed == {"lambda": 0.45} and dens.log
     assert make_candidate(dens, 0.2, n_fts=3).params == best.params  # its centre is the best itself
     assert sched.merge_params == best.params and sched.grid_pairs == [(0.5, 1.0), (0.2, 1.6)]
     c = make_candidate(sched, (0.5, 1.0), n_fts=3)
     assert c.command == "merge" and c.family == "ties" and dict(c.params)["lines"] == (0.5, 1.0)
-    # a method without a density axis gets the schedule alone
+    # a method without a density axis gets SVC and the schedule; a family other than the best
+    # (density=False) the schedule alone
     (ta,) = [e for e in entries if e.family == "task-arithmetic" and e.origin == "merges"]
     base, ft = Checkpoint(experts.base, label="BASE"), Checkpoint(experts.fts[0], label="FT")
     try:
-        (only,), _ = merges.followups(ta, make_candidate(ta, 0.3, n_fts=3), 7, base, ft)
+        (svc, _), _ = merges.followups(ta, make_candidate(ta, 0.3, n_fts=3), 7, base, ft)
+        (only,), _ = merges.followups(ta, make_candidate(ta, 0.3, n_fts=3), 7, base, ft, density=False)
     finally:
         base.close()
         ft.close()

@@ -196,8 +196,14 @@ def takes_text(method: MergeMethod) -> str:
 
 
 def scalar_params() -> list[Param]:
-    """Parameters a sweep candidate carries and a reproduction command spells out, in order."""
+    """Numeric parameters a sweep candidate carries and a reproduction command spells out, in order."""
     return [p for p in params().values() if p.scalar]
+
+
+def carried_params() -> list[Param]:
+    """Every parameter a sweep candidate carries and a reproduction command spells out, in order:
+    the numeric ones, then the words (``--calibrate svc``, a follow-up's post-step)."""
+    return scalar_params() + [p for p in params().values() if p.kind == STRING]
 
 
 def recipe_keys() -> dict[str, str]:

@@ -65,11 +65,11 @@ def _make_candidate(entry: FamilyEntry, value: float, n_fts: int) -> Candidate:
         weights = vals.get("weights")
         if weights is not None and (not isinstance(weights, list) or not all(is_number(w) for w in weights)):
             raise InputError("'weights' must be a list of numbers")
-        given = {q.name: vals.get(q.name) for q in registry.scalar_params()}
+        given = {q.name: vals.get(q.name) for q in registry.carried_params()}
         given["weights"] = None if weights is None else [float(w) for w in weights]
         kwargs, extra = registry.options_values(given)
         p = resolve_parameters(MergeOptions(method=entry.family, extra=extra, **kwargs), n_fts)
-        carried = {"method", *(q.name for q in registry.scalar_params())}
+        carried = {"method", *(q.name for q in registry.carried_params())}
         p = {k: v for k, v in p.items() if k in carried}
     params = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in p.items()))
     return Candidate(
@@ -95,6 +95,8 @@ def writes_adapter(cand: Candidate, fts: list[Checkpoint]) -> bool:
     p = cand.param_dict
     if cand.command == "repair":
         return cand.family == "lines" and "shrink" not in p
+    if "calibrate" in p:  # SVC re-weights the merged update's singular values: not linear
+        return False
     return linear_coefficients(str(p["method"]), p) is not None
 
 
@@ -126,9 +128,9 @@ def reproduce_argv(
             argv += ["--noise", "known", "--sigma", _fmt(p["sigma"])]
         return argv + dev
     argv = ["dghard", "merge", "--method", p["method"]]
-    for q in registry.scalar_params():
+    for q in registry.carried_params():
         if q.name in p:
-            argv += [q.cli_flag, _fmt(p[q.name])]
+            argv += [q.cli_flag, _fmt(p[q.name]) if q.scalar else str(p[q.name])]
     if "lines" in p:  # a merge under a LiNeS schedule (sweep/merges.py follow-up)
         argv += [LINES.cli_flag, f"{_fmt(p['lines'][0])},{_fmt(p['lines'][1])}"]
     return argv + [base, *fts, "--out", out] + dev
@@ -178,7 +180,7 @@ def write_candidate(
             b=p.get("b", 0.0),
         )
         return repair(base, fts[0], out, RepairOptions(spec=spec, policy=policy, run=run, lora=lora))
-    kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.scalar_params()})
+    kwargs, extra = registry.options_values({q.name: p.get(q.name) for q in registry.carried_params()})
     if "lines" in p:  # the schedule as --lines builds it
         kwargs[LINES.attr] = LINES.build([float(p["lines"][0]), float(p["lines"][1])])
     return merge(

@@ -20,7 +20,9 @@ one rule over the merge-method registry (:mod:`dghard_cli.methods.registry`):
    the strength found), from the block's ``lines`` pairs, refined by the compass search of the
    ``lines`` family; and (b) for the best merge of every other family within noise of it
    (``FOLLOWUP_NOISE`` HM points, or ``--tie-tolerance``), as many as the reserve gives two
-   evaluations each — a family a little behind on strength alone may lead with its schedule.
+   evaluations each — a family a little behind on strength alone may lead with its schedule;
+   and (c) the best merge once more with each of the block's ``calibrate`` post-steps
+   (``--calibrate svc``), one evaluation each.
    The follow-ups are chosen from the results alone, so a resumed sweep derives the same ones.
 
 Relies on :mod:`dghard_cli.sweep.candidates` (entries, kinds) and
@@ -37,7 +39,7 @@ from dghard_cli.methods import registry
 from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, Candidate, FamilyEntry
 from dghard_cli.sweep.candidates import is_number as _num
 
-BLOCK_KEYS = ("grid", "range", "methods", "exclude", "density", "lines", "tolerance")
+BLOCK_KEYS = ("grid", "range", "methods", "exclude", "density", "lines", "calibrate", "tolerance")
 #: The keys of one method's own strength search in ``methods:``.
 METHOD_KEYS = ("grid", "range")
 #: The lines follow-up's (α, β) ranges: shallow layers from 0 to the strength found, the deepest
@@ -68,6 +70,8 @@ class MergesBlock:
     density: list[float] = field(default_factory=list)
     lines: list[tuple[float, float]] = field(default_factory=list)
     tolerance: float = DEFAULT_TOLERANCE
+    #: post-steps the best merge is tried with (``--calibrate`` values: ``svc``), one evaluation each
+    calibrate: list[str] = field(default_factory=list)
 
 
 def strength_axis(method: registry.MergeMethod) -> str:
@@ -171,7 +175,20 @@ def parse_block(raw: object, where: str) -> MergesBlock:
     tol = raw.get("tolerance", DEFAULT_TOLERANCE)
     if not _num(tol) or not 0 < float(tol) <= 1:
         raise InputError(f"{at}: 'tolerance' must be a number in (0, 1] (share of the range)")
-    return MergesBlock(grid, (lo, hi), own, list(exclude), density, pairs, float(tol))
+    calibrate = raw.get("calibrate", []) or []
+    if isinstance(calibrate, str):
+        calibrate = [calibrate]
+    if not isinstance(calibrate, list) or not all(isinstance(x, str) for x in calibrate):
+        raise InputError(f"{at}: 'calibrate' must be a list of post-steps (svc)")
+    check = registry.params()["calibrate"].check
+    for x in calibrate:
+        try:
+            check(x, registry.methods()["task-arithmetic"], 2)
+        except InputError as e:
+            raise InputError(f"{at}: calibrate {x!r}: {e}") from None
+    return MergesBlock(
+        grid, (lo, hi), own, list(exclude), density, pairs, float(tol), list(dict.fromkeys(calibrate))
+    )
 
 
 def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
@@ -202,7 +219,11 @@ def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
                 fine_tunes="several",
                 index=start + len(out),
                 origin="merges",
-                followups={"density": list(block.density), "lines": list(block.lines)},
+                followups={
+                    "density": list(block.density),
+                    "lines": list(block.lines),
+                    "calibrate": list(block.calibrate),
+                },
             )
         )
     return out
@@ -210,7 +231,9 @@ def block_entries(block: MergesBlock, start: int) -> list[FamilyEntry]:
 
 def followup_reserve(entries: list[FamilyEntry], candidate_budget: int) -> int:
     """Evaluations kept for the follow-ups (0 when no entry has any)."""
-    if not any(e.followups and (e.followups["density"] or e.followups["lines"]) for e in entries):
+    if not any(
+        e.followups and any(e.followups.get(k) for k in ("density", "lines", "calibrate")) for e in entries
+    ):
         return 0
     return candidate_budget // FOLLOWUP_SHARE
 
@@ -241,7 +264,13 @@ def followup_families(
 
 
 def density_followup_size(entry: FamilyEntry) -> int:
-    """Evaluations the density follow-up of ``entry``'s best merge takes (its grid's size)."""
+    """Evaluations the best family's own follow-ups take besides its schedule: its density grid's
+    size (where its method sweeps one) and one per calibration post-step."""
+    f = entry.followups or {}
+    return _density_size(entry) + len(f.get("calibrate") or ())
+
+
+def _density_size(entry: FamilyEntry) -> int:
     f = entry.followups or {}
     kind = entry.kind
     if (
@@ -299,6 +328,25 @@ def followups(
                     fine_tunes="several",
                     index=start,
                     origin=f"follow-up: density of {cand.label}",
+                )
+            )
+    if density:
+        for step in f.get("calibrate") or ():
+            fixed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in entry.fixed.items()}
+            fixed["calibrate"] = step
+            out.append(
+                FamilyEntry(
+                    family=entry.family,
+                    grid=[cand.value],
+                    axis=entry.axis,
+                    range=entry.range,
+                    log=entry.log,
+                    tolerance=entry.tolerance,
+                    refine=False,
+                    fixed=fixed,
+                    fine_tunes="several",
+                    index=start + len(out),
+                    origin=f"follow-up: --calibrate {step} of {cand.label}",
                 )
             )
     if f.get("lines"):
