@@ -445,3 +445,12 @@ def test_row_blocked_streaming_equals_the_unblocked_route(tmp_path):
         assert rel(f64(b[k]), f64(a[k])) <= 2.0**-24, k
     ranks = lambda rep: [r.get("rank_kept") for r in rep["tensors"]]  # noqa: E731
     assert ranks(whole) == ranks(blocked)
+    # where the time went: everything prefetched in one run, everything read in row blocks by the
+    # compute thread in the other; the parts of the compute thread's loop fit in the process time
+    for rep, inline in ((whole, False), (blocked, True)):
+        st, t = rep["timings"]["stages"], rep["timings"]
+        assert set(st) == {"read", "read_inline", "compute", "write", "wait_read", "wait_write"}
+        assert all(v >= 0 for v in st.values()) and st["write"] > 0 and st["compute"] > 0
+        assert (st["read_inline"] > 0) == inline and (st["read"] > 0) != inline
+        loop = st["compute"] + st["read_inline"] + st["wait_read"] + st["wait_write"]
+        assert loop <= t["process"] + 0.01

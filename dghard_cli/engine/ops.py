@@ -10,6 +10,8 @@ operation needs: :func:`passthrough` (an input's value, checked finite), :func:`
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -18,6 +20,24 @@ from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import TensorInfo
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES, torch_dtype
+
+
+class InlineReads:
+    """Seconds the compute threads spent reading inputs themselves (tensors too large to
+    prefetch, read in row blocks on demand): the read part of their time."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._lock = threading.Lock()
+
+    def timed(self, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return read()
+        finally:
+            dt = time.perf_counter() - t0
+            with self._lock:
+                self.seconds += dt
 
 
 class JobInputs:
@@ -30,19 +50,24 @@ class JobInputs:
         *,
         allow_nonfinite: bool = False,
         pin: bool = False,
+        reads: InlineReads | None = None,
     ) -> None:
         self.job = job
         self._raw = raw or {}
         self.pin = pin  # read on demand into page-locked memory (CUDA)
         #: NaN/Inf in an input: pass the fine-tune's value through (reported) instead of failing.
         self.allow_nonfinite = allow_nonfinite
+        self._reads = reads
+
+    def _read(self, read: Callable[[], torch.Tensor]) -> torch.Tensor:
+        return read() if self._reads is None else self._reads.timed(read)
 
     def _get(self, key: str, info: TensorInfo, rows: tuple[int, int] | None) -> torch.Tensor:
         raw = self._raw.get(key)
         if raw is not None:
             t = info.decode(raw)
             return t if rows is None else t[rows[0] : rows[1]]
-        return info.read(rows, pin=self.pin)
+        return self._read(lambda: info.read(rows, pin=self.pin))
 
     def base(self, rows: tuple[int, int] | None = None) -> torch.Tensor:
         assert self.job.base is not None
@@ -63,7 +88,7 @@ class JobInputs:
         info = self.info(key)
         raw = self._raw.get(key)
         if raw is None:
-            return info.read_raw_span(span, pin=self.pin)
+            return self._read(lambda: info.read_raw_span(span, pin=self.pin))
         return raw[span[0] * info.itemsize : span[1] * info.itemsize]
 
     def flat(self, key: str, span: tuple[int, int] | None) -> torch.Tensor:
@@ -75,7 +100,7 @@ class JobInputs:
         info = self.info(key)
         raw = self._raw.get(key)
         if raw is None:
-            return info.read_raw(rows, pin=self.pin)
+            return self._read(lambda: info.read_raw(rows, pin=self.pin))
         if rows is None:
             return raw
         return raw[rows[0] * info.row_bytes : rows[1] * info.row_bytes]

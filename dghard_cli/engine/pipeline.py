@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, TensorOp, base_record, passthrough
+from dghard_cli.engine.ops import InlineReads, JobInputs, TensorOp, base_record, passthrough
 from dghard_cli.engine.plan import Plan, TensorJob
 from dghard_cli.errors import DGHardError, RuntimeFailure
 from dghard_cli.io.checkpoint import TensorInfo
@@ -59,6 +59,38 @@ class ByteBudget:
         with self._cv:
             self.closed = True
             self._cv.notify_all()
+
+
+@dataclass
+class StageClock:
+    """Where a streaming run's time goes, in seconds. The three threads overlap, so the busy
+    times add up to more than the wall time when the overlap works: ``read`` (the prefetch
+    thread), ``write`` (the writer thread: bytes to the shard files and their hashes) and
+    ``compute`` (the compute thread, less its waits and its own reads); ``read_inline``: the
+    compute thread reading tensors too large to prefetch, in row blocks; ``wait_read`` and
+    ``wait_write``: the compute thread idle, waiting for inputs or for room in the write queue."""
+
+    read: float = 0.0
+    write: float = 0.0
+    wait_read: float = 0.0
+    wait_write: float = 0.0
+    loop: float = 0.0
+    inline: InlineReads | None = None
+
+    def report(self) -> dict[str, float]:
+        inline = self.inline.seconds if self.inline is not None else 0.0
+        compute = max(0.0, self.loop - self.wait_read - self.wait_write - inline)
+        return {
+            k: round(v, 3)
+            for k, v in (
+                ("read", self.read),
+                ("read_inline", inline),
+                ("compute", compute),
+                ("write", self.write),
+                ("wait_read", self.wait_read),
+                ("wait_write", self.wait_write),
+            )
+        }
 
 
 def job_inputs(job: TensorJob) -> dict[str, TensorInfo]:
@@ -93,8 +125,15 @@ class EngineOptions:
 
 
 class _Prefetcher(threading.Thread):
-    def __init__(self, jobs: list[TensorJob], opts: EngineOptions, wanted: Callable[[TensorJob], bool]):
+    def __init__(
+        self,
+        jobs: list[TensorJob],
+        opts: EngineOptions,
+        wanted: Callable[[TensorJob], bool],
+        clock: StageClock,
+    ):
         super().__init__(daemon=True, name="dghard-prefetch")
+        self.clock = clock
         self.jobs = jobs
         self.budget = ByteBudget(opts.prefetch_bytes)
         self.stream_bytes = opts.stream_bytes
@@ -114,22 +153,28 @@ class _Prefetcher(threading.Thread):
                 self.budget.acquire(job.in_nbytes)
                 if self.stop.is_set():
                     return
+                t0 = time.perf_counter()
                 raw = {key: info.read_raw(pin=self.pin) for key, info in job_inputs(job).items()}
+                self.clock.read += time.perf_counter() - t0
                 self.out.put((job, raw, job.in_nbytes))
         except BaseException as exc:  # handed to the consumer
             self.out.put((None, exc, 0))
 
     def next(self) -> tuple[TensorJob, dict | None, int]:
-        while True:
-            try:
-                job, raw, held = self.out.get(timeout=0.5)
-            except queue.Empty:
-                if not self.is_alive():
-                    raise RuntimeFailure("internal error: the prefetch thread stopped") from None
-                continue
-            if job is None:
-                raise raw
-            return job, raw, held
+        t0 = time.perf_counter()
+        try:
+            while True:
+                try:
+                    job, raw, held = self.out.get(timeout=0.5)
+                except queue.Empty:
+                    if not self.is_alive():
+                        raise RuntimeFailure("internal error: the prefetch thread stopped") from None
+                    continue
+                if job is None:
+                    raise raw
+                return job, raw, held
+        finally:
+            self.clock.wait_read += time.perf_counter() - t0
 
     def shutdown(self) -> None:
         """Stop reading and wait for the thread: a daemon thread still inside torch when the
@@ -144,8 +189,9 @@ class _Prefetcher(threading.Thread):
 class _Writer(threading.Thread):
     """Owns the output files: opens shards, appends bytes, finishes and journals them."""
 
-    def __init__(self, stage: OutputStage, limit: int) -> None:
+    def __init__(self, stage: OutputStage, limit: int, clock: StageClock) -> None:
         super().__init__(daemon=True, name="dghard-writer")
+        self.clock = clock
         self.stage = stage
         self.q: queue.Queue = queue.Queue()
         self.budget = ByteBudget(limit)
@@ -156,6 +202,7 @@ class _Writer(threading.Thread):
         while True:
             item = self.q.get()
             kind = item[0]
+            t0 = time.perf_counter()
             try:
                 if self.error is not None:
                     if kind == "data":
@@ -193,6 +240,8 @@ class _Writer(threading.Thread):
                     item[1].set()
                 if kind == "stop":
                     return
+            finally:
+                self.clock.write += time.perf_counter() - t0
 
     def _abort(self) -> None:
         if self._current is not None:
@@ -211,15 +260,19 @@ class _Writer(threading.Thread):
     def put(self, name: str, tensor: torch.Tensor) -> None:
         self.check()
         n = _nbytes(tensor)
+        t0 = time.perf_counter()
         self.budget.acquire(n)
+        self.clock.wait_write += time.perf_counter() - t0
         self.q.put(("data", name, tensor, n))
 
     def sync(self) -> None:
         ev = threading.Event()
         self.q.put(("sync", ev))
+        t0 = time.perf_counter()
         while not ev.wait(0.5):
             if not self.is_alive():
                 break
+        self.clock.wait_write += time.perf_counter() - t0
         self.check()
 
 
@@ -273,13 +326,18 @@ def execute(
     ft_metadata: dict[str, dict[str, str]],
     options: EngineOptions | None = None,
     on_tensor: Callable[[TensorJob, dict], None] | None = None,
+    clock: StageClock | None = None,
 ) -> list[dict]:
     """Run ``op`` on every method tensor of the plan, pass the rest through, write the shards.
 
     Returns the per-tensor report records in write order (journaled shards of an interrupted
-    run contribute their recorded records without being recomputed).
+    run contribute their recorded records without being recomputed); ``clock`` receives where
+    the time went.
     """
     opts = options or EngineOptions()
+    clock = clock if clock is not None else StageClock()
+    clock.inline = clock.inline or InlineReads()
+    t_loop = time.perf_counter()
     todo_shards = [s for s in plan.shards if s not in stage.done]
     jobs_by_name = {j.name: j for j in plan.jobs}
     todo_jobs = [jobs_by_name[n] for s in todo_shards for n in plan.shards[s]]
@@ -304,7 +362,11 @@ def execute(
         t0 = time.perf_counter()
         rec = base_record(job)
         blocks = list(
-            produce(job, JobInputs(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin), rec)
+            produce(
+                job,
+                JobInputs(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin, reads=clock.inline),
+                rec,
+            )
         )
         rec["seconds"] = round(time.perf_counter() - t0, 6)
         return rec, blocks
@@ -334,8 +396,8 @@ def execute(
             del blocks
             finish(job, rec, held)
 
-    pre = _Prefetcher(todo_jobs, opts, wanted)
-    writer = _Writer(stage, opts.write_bytes)
+    pre = _Prefetcher(todo_jobs, opts, wanted, clock)
+    writer = _Writer(stage, opts.write_bytes, clock)
     pre.start()
     writer.start()
     try:
@@ -356,7 +418,9 @@ def execute(
                 torch.set_num_threads(threads_before)
                 t0 = time.perf_counter()
                 rec = base_record(job)
-                src = JobInputs(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin)
+                src = JobInputs(
+                    job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin, reads=clock.inline
+                )
                 if job.action == "tied":
                     assert job.tied_to is not None
                     writer.sync()
@@ -388,6 +452,7 @@ def execute(
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(threads_before)
+        clock.loop = time.perf_counter() - t_loop
     return [records[j.name] for j in plan.jobs]
 
 

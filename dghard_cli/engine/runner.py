@@ -20,7 +20,7 @@ import torch
 from dghard_cli.engine import input_checks
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp, base_record
-from dghard_cli.engine.pipeline import EngineOptions, execute
+from dghard_cli.engine.pipeline import EngineOptions, StageClock, execute
 from dghard_cli.engine.plan import Plan
 from dghard_cli.engine.progress import Progress, notice
 from dghard_cli.engine.working_memory import check_jobs
@@ -200,6 +200,7 @@ class _ModelWrite:
         self.t_start = time.perf_counter()
         self.timings = dict(timings or {})
         self.before = sum(self.timings.values())
+        self.stages: dict[str, float] = {}  # where the streaming time went (StageClock.report)
         self.command = command
         self.method = method
         self.parameters = parameters
@@ -296,6 +297,7 @@ class _ModelWrite:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
+        clock = StageClock()
         try:
             records = execute(
                 self.plan,
@@ -305,6 +307,7 @@ class _ModelWrite:
                 options=self.run.engine
                 or EngineOptions.for_device(device, allow_nonfinite=self.run.allow_nonfinite),
                 on_tensor=lambda job, rec: progress.advance(job.out_nbytes),
+                clock=clock,
             )
         except KeyboardInterrupt:
             progress.close()
@@ -340,6 +343,7 @@ class _ModelWrite:
             ) from None
         progress.close()
         self.timings["process"] = time.perf_counter() - t0
+        self.stages = clock.report()
         return records
 
     def write_side_files(self) -> tuple[list[str], tuple[str | None, str | None]]:
@@ -439,6 +443,8 @@ class _ModelWrite:
             **self.common,
         )
         doc["summary"]["warnings"][:0] = self.input_warnings
+        if self.stages:
+            doc["timings"]["stages"] = self.stages
         their_card, card_why = card_source
         card, doc["output"]["model_card"] = model_card.compose(
             report_mod.model_card(doc), their_card, self.base.source, card_why
