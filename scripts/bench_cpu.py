@@ -9,13 +9,19 @@ under ``/usr/bin/time -v`` in its own process, and prints wall time, peak RSS an
 - ``dghard repair BASE FT``                    vs  a naive baseline written here (both models
   in memory, ``torch.linalg.svd`` on every matrix: the approach of the paper's reference code);
 - ``dghard merge --method ties BASE FT FT2``   vs  ``mergekit-yaml`` 0.1.5 TIES, same
-  parameters (mergekit installed into its own virtual environment on first use).
+  parameters (mergekit installed into its own virtual environment on first use);
+- ``dghard merge --method task-arithmetic | tsv | iso-c BASE FT FT2``;
+
+and, for each dghard command, the machine's floors measured in the same invocation
+(``scripts/floors.py``: the start-up of a Python process importing torch, the I/O floor of its
+inputs and output bytes, the compute floor of its spectral route), its ratio to start-up +
+max(I/O, compute), and where its time went (the report's ``timings.stages``).
 
 It checks that the naive baseline keeps the same ranks and values as ``dghard repair`` and that
 the two TIES outputs agree (≤ 1e-6 relative, float32 outputs).
 
     python scripts/bench_cpu.py                       # everything (~2 GB per model on disk)
-    python scripts/bench_cpu.py --layers 4 --skip-mergekit
+    python scripts/bench_cpu.py --layers 4 --skip-mergekit --skip-naive
 """
 
 from __future__ import annotations
@@ -160,12 +166,23 @@ def compare_dirs(a: Path, b: Path) -> float:
     return worst
 
 
+#: per treated matrix: (Gram products, eigensolves) the spectral route must do, T fine-tunes
+SPECTRAL_WORK = {"repair": lambda t: (1, 1), "tsv": lambda t: (t, t), "iso-c": lambda t: (1, 1)}
+
+
+def dghard(py: str, args: list[str], env: dict) -> dict:
+    return timed([py, "-m", "dghard_cli", *args, "--device", "cpu", "-q"], env)
+
+
 def main() -> None:
+    from floors import run_json
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", type=Path, default=Path(tempfile.gettempdir()) / "dghard-bench-cpu")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--density", type=float, default=0.2)
     ap.add_argument("--skip-mergekit", action="store_true")
+    ap.add_argument("--skip-naive", action="store_true")
     ap.add_argument("--naive", nargs=3, type=Path, metavar=("BASE", "FT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.naive:
@@ -178,65 +195,57 @@ def main() -> None:
     size = sum(p.stat().st_size for p in ft.glob("*.safetensors"))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     py = sys.executable
-    rows = []
+    rows: list[tuple[str, dict]] = []
+    floors: dict[str, dict] = {}  # command -> its floors
+    scratch = work / "floor_scratch"
 
-    for d in ("out_repair", "out_naive", "out_ties", "out_mergekit"):
+    def measure(label: str, out: Path, inputs: list[Path], work_of: str | None, t: int) -> None:
+        """The floors of the command that just wrote ``out``, from its report."""
+        report = json.loads((out / "dghard_report.json").read_text())
+        io = run_json(["io", str(report["output"]["bytes"]), str(scratch), *map(str, inputs)], env)
+        comp = {"compute_s": 0.0, "gram_s": 0.0, "eigh_s": 0.0, "matrices": 0}
+        if work_of is not None:
+            grams, eighs = SPECTRAL_WORK[work_of](t)
+            comp = run_json(["compute", str(out / "dghard_report.json"), str(grams), str(eighs)], env)
+        floors[label] = {**io, **comp, "stages": report["timings"].get("stages", {})}
+
+    for d in ("out_repair", "out_naive", "out_ties", "out_mergekit", "out_ta", "out_tsv", "out_iso"):
         shutil.rmtree(work / d, ignore_errors=True)
-    rep = timed(
-        [
-            py,
-            "-m",
-            "dghard_cli",
-            "repair",
-            str(base),
-            str(ft),
-            str(work / "out_repair"),
-            "--device",
-            "cpu",
-            "-q",
-        ],
-        env,
-    )
+    startup = run_json(["startup"], env)["startup_s"]
+    rep = dghard(py, ["repair", str(base), str(ft), str(work / "out_repair")], env)
     rows.append(("dghard repair", rep))
-    nai = timed([py, __file__, "--naive", str(base), str(ft), str(work / "out_naive")], env)
-    rows.append(("naive repair (torch.linalg.svd)", nai))
+    measure("dghard repair", work / "out_repair", [base, ft], "repair", 1)
+    nai = None
+    if not args.skip_naive:
+        nai = timed([py, __file__, "--naive", str(base), str(ft), str(work / "out_naive")], env)
+        rows.append(("naive repair (torch.linalg.svd)", nai))
+        report = json.loads((work / "out_repair" / "dghard_report.json").read_text())
+        ours = {r["name"]: r["rank_kept"] for r in report["tensors"] if "rank_kept" in r}
+        theirs = json.loads((work / "out_naive" / "naive_ranks.json").read_text())
+        rank_mismatch = sum(1 for k, v in ours.items() if theirs.get(k) != v)
+        diff = compare_dirs(work / "out_repair", work / "out_naive")
 
-    report = json.loads((work / "out_repair" / "dghard_report.json").read_text())
-    ours = {r["name"]: r["rank_kept"] for r in report["tensors"] if "rank_kept" in r}
-    theirs = json.loads((work / "out_naive" / "naive_ranks.json").read_text())
-    rank_mismatch = sum(1 for k, v in ours.items() if theirs.get(k) != v)
-    diff = compare_dirs(work / "out_repair", work / "out_naive")
+    merges = [
+        ("dghard merge --method task-arithmetic", "out_ta", ["--method", "task-arithmetic"], None),
+        (
+            "dghard merge --method ties",
+            "out_ties",
+            ["--method", "ties", "--density", str(args.density), "--weights", "1,1", "--dtype", "fp32"],
+            None,
+        ),
+        ("dghard merge --method tsv", "out_tsv", ["--method", "tsv", "--dtype", "bf16"], "tsv"),
+        ("dghard merge --method iso-c", "out_iso", ["--method", "iso-c", "--dtype", "bf16"], "iso-c"),
+    ]
+    for label, d, argv, work_of in merges:
+        r = dghard(py, ["merge", *argv, str(base), str(ft), str(ft2), "--out", str(work / d)], env)
+        rows.append((label, r))
+        measure(label, work / d, [base, ft, ft2], work_of, 2)
+    ties = dict(rows)["dghard merge --method ties"]
 
-    ties = mk = None
+    mk = None
     if not args.skip_mergekit:
         from compare_mergekit import ensure_mergekit, venv_dir
 
-        ties = timed(
-            [
-                py,
-                "-m",
-                "dghard_cli",
-                "merge",
-                "--method",
-                "ties",
-                "--density",
-                str(args.density),
-                "--weights",
-                "1,1",
-                "--dtype",
-                "fp32",
-                str(base),
-                str(ft),
-                str(ft2),
-                "--out",
-                str(work / "out_ties"),
-                "--device",
-                "cpu",
-                "-q",
-            ],
-            env,
-        )
-        rows.append(("dghard merge --method ties", ties))
         exe = ensure_mergekit(venv_dir(None))
         recipe = work / "mergekit_ties.yml"
         recipe.write_text(
@@ -264,17 +273,49 @@ def main() -> None:
     print()
     print(
         f"Qwen2.5-0.5B-shaped pair, {args.layers} layers, bf16, {size / 1e9:.2f} GB per checkpoint, "
-        f"{os.cpu_count()} CPU cores"
+        f"{os.cpu_count()} CPU cores; start-up (import torch, safetensors) {startup:.1f} s"
     )
-    print(f"{'command':38s} {'wall s':>8s} {'peak RSS MB':>12s}")
+    print()
+    print("| command | wall s | peak RSS MB | I/O floor s | compute floor s | floor s | wall / floor |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in rows:
-        print(f"{name:38s} {r['wall_s']:8.1f} {r['peak_rss_mb']:12.0f}")
+        f = floors.get(name)
+        if f is None:
+            print(f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | | | | |")
+            continue
+        floor = startup + max(f["io_s"], f["compute_s"])
+        print(
+            f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {f['io_s']:.1f} | {f['compute_s']:.1f} | "
+            f"{floor:.1f} | {r['wall_s'] / floor:.1f} |"
+        )
+    print()
+    print("where each command's streaming time went (its report's timings.stages; threads overlap):")
+    print("| command | read | read inline | compute | write | wait read | wait write |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for name, f in floors.items():
+        st = f["stages"]
+        print(
+            f"| {name} | "
+            + " | ".join(
+                f"{st.get(k, 0.0):.1f}"
+                for k in ("read", "read_inline", "compute", "write", "wait_read", "wait_write")
+            )
+            + " |"
+        )
+    print()
     print(
-        f"repair: dghard / naive wall = {rep['wall_s'] / nai['wall_s']:.2f}, "
-        f"peak RSS = {rep['peak_rss_mb'] / nai['peak_rss_mb']:.2f}; "
-        f"rank mismatches {rank_mismatch}/{len(ours)}; max relative difference {diff:.2e}"
+        "floors: I/O = reading every input byte with dghard's reader + writing the output's bytes; "
+        "compute = the float64 Gram products (syrk count, at "
+        f"{next(iter(f['gemm_gflops'] for f in floors.values() if 'gemm_gflops' in f), float('nan')):.0f} GFLOP/s "
+        "measured) and eigensolves of the matrices the report says were treated; floor = start-up + the larger"
     )
-    if ties and mk:
+    if nai is not None:
+        print(
+            f"repair: dghard / naive wall = {rep['wall_s'] / nai['wall_s']:.2f}, "
+            f"peak RSS = {rep['peak_rss_mb'] / nai['peak_rss_mb']:.2f}; "
+            f"rank mismatches {rank_mismatch}/{len(ours)}; max relative difference {diff:.2e}"
+        )
+    if mk:
         print(
             f"ties: mergekit / dghard wall = {mk['wall_s'] / ties['wall_s']:.2f}x, "
             f"peak RSS dghard {ties['peak_rss_mb']:.0f} MB vs mergekit {mk['peak_rss_mb']:.0f} MB; "
