@@ -100,7 +100,7 @@ def test_help_of_every_command_lists_choices_and_shows_no_bool_type():
             row = _row(text, flag)
             assert listed in row and "<str>" not in row, (args, flag, row)
     # flags keep their help, with an empty type column
-    assert "Plan and print what would be done" in _row(_help("repair"), "--dry-run")
+    assert "Plan only; read headers, run no model." in _row(_help("repair"), "--dry-run")
     # --method: its (long) list is in the help text, every registered method named
     method = _help("merge")
     for name in registry.method_names():

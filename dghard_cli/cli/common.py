@@ -12,6 +12,7 @@ import os
 import sys
 import traceback
 from collections.abc import Callable, Iterable
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import click
@@ -109,6 +110,21 @@ ExcludeOpt = Annotated[
 RevisionOpt = Annotated[Optional[str], typer.Option("--revision", help="Hub revision of FT.")]
 BaseRevisionOpt = Annotated[Optional[str], typer.Option("--base-revision", help="Hub revision of BASE.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")]
+# -- the options of every command that writes a model (repair, merge), declared once ----------------
+ShardSizeOpt = Annotated[
+    Optional[str], typer.Option(help="Output shard size, e.g. 5GB (default: mirror the first FT's shards).")
+]
+DtypeOpt = Annotated[
+    Optional[str],
+    typer.Option(metavar=choices(DTYPE_CHOICES), help="Output dtype of floating tensors (default: FT's)."),
+]
+ReportOpt = Annotated[
+    Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
+]
+DryRunOpt = Annotated[bool, typer.Option("--dry-run", help="Plan only; read headers, run no model.")]
+ResumeOpt = Annotated[
+    bool, typer.Option("--resume", help="Require resuming an interrupted run of the same command.")
+]
 JsonOpt = Annotated[
     bool,
     typer.Option(

@@ -11,9 +11,10 @@ import typer
 
 from dghard_cli.cli.common import (
     DEVICES,
-    DTYPE_CHOICES,
     AllowLossyOpt,
     BaseRevisionOpt,
+    DryRunOpt,
+    DtypeOpt,
     FormatOpt,
     IncludeOpt,
     JsonOpt,
@@ -21,6 +22,9 @@ from dghard_cli.cli.common import (
     OverwriteOpt,
     QuietOpt,
     RankOpt,
+    ReportOpt,
+    ResumeOpt,
+    ShardSizeOpt,
     VerboseOpt,
     app,
     choices,
@@ -110,25 +114,11 @@ def _tail(
     min_numel: Annotated[
         Optional[int], typer.Option(help="dg-hard: smaller matrices get task arithmetic (default 1024).")
     ] = None,
-    shard_size: Annotated[
-        Optional[str],
-        typer.Option(help="Output shard size, e.g. 5GB (default: mirror the first FT's shards)."),
-    ] = None,
-    dtype: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar=choices(DTYPE_CHOICES), help="Output dtype of floating tensors (default: FT's)."
-        ),
-    ] = None,
-    report: Annotated[
-        Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
-    ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Plan only; read headers, run no model.")
-    ] = False,
-    resume: Annotated[
-        bool, typer.Option("--resume", help="Require resuming an interrupted run of the same command.")
-    ] = False,
+    shard_size: ShardSizeOpt = None,
+    dtype: DtypeOpt = None,
+    report: ReportOpt = None,
+    dry_run: DryRunOpt = False,
+    resume: ResumeOpt = False,
     overwrite: OverwriteOpt = False,
     allow_missing: Annotated[
         bool, typer.Option("--allow-missing", help="Tensors only in BASE keep their base values.")

@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from dghard_cli.cli.common import (
-    DTYPE_CHOICES,
     AllowLossyOpt,
     BaseArg,
     BaseRevisionOpt,
     DeviceOpt,
+    DryRunOpt,
+    DtypeOpt,
     ExcludeOpt,
     FormatOpt,
     FtArg,
@@ -23,7 +24,10 @@ from dghard_cli.cli.common import (
     OverwriteOpt,
     QuietOpt,
     RankOpt,
+    ReportOpt,
+    ResumeOpt,
     RevisionOpt,
+    ShardSizeOpt,
     VerboseOpt,
     app,
     choices,
@@ -98,28 +102,11 @@ def repair_cmd(
     include: IncludeOpt = None,
     exclude: ExcludeOpt = None,
     min_numel: Annotated[int, typer.Option(help="Smaller matrices keep the fine-tune's value.")] = 1024,
-    shard_size: Annotated[
-        Optional[str], typer.Option(help="Output shard size, e.g. 5GB (default: mirror FT's shards).")
-    ] = None,
-    dtype: Annotated[
-        Optional[str],
-        typer.Option(
-            metavar=choices(DTYPE_CHOICES), help="Output dtype for floating tensors (default: FT's)."
-        ),
-    ] = None,
-    report: Annotated[
-        Optional[Path], typer.Option(help="Where to write the JSON report (default OUT/dghard_report.json).")
-    ] = None,
-    dry_run: Annotated[
-        bool, typer.Option("--dry-run", help="Plan and print what would be done; read headers only.")
-    ] = False,
-    resume: Annotated[
-        bool,
-        typer.Option(
-            "--resume",
-            help="Require resuming an interrupted run (it resumes automatically when the same command finds its partial output).",
-        ),
-    ] = False,
+    shard_size: ShardSizeOpt = None,
+    dtype: DtypeOpt = None,
+    report: ReportOpt = None,
+    dry_run: DryRunOpt = False,
+    resume: ResumeOpt = False,
     overwrite: OverwriteOpt = False,
     allow_nonfinite: Annotated[
         bool,

@@ -13,6 +13,7 @@ from dghard_cli.cli.common import (
     DTYPE_CHOICES,
     DeviceOpt,
     JsonOpt,
+    OverwriteOpt,
     QuietOpt,
     VerboseOpt,
     app,
@@ -225,7 +226,7 @@ def sweep_cmd(
             rich_help_panel="Execution",
         ),
     ] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace a non-empty OUT.")] = False,
+    overwrite: OverwriteOpt = False,
     dtype: Annotated[
         Optional[str],
         typer.Option(
