@@ -22,6 +22,7 @@ from reference import rel
 from typer.testing import CliRunner
 
 from dghard_cli.cli import app
+from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.methods.dare import CHUNK
 from dghard_cli.recipes.mergekit import translate
@@ -625,3 +626,21 @@ def test_command_line_options_win_over_the_recipes_gradients(deep, tmp_path):
     doc, out = merged_by(deep, tmp_path, GRADIENT_SLERP, "--t", "0.25")
     assert all("t" not in r["parameters"] for r in doc["tensors"])
     check(deep, out, lambda n, b, f: M.ref_slerp(d64(f["a"]), d64(f["b"]), 0.25))
+
+
+def test_the_library_runs_a_recipe_as_the_command_does(tree, tmp_path):
+    """``run_recipe(path, out=…)`` (mergekit's ``run_merge(config)``): the same bytes as
+    ``dghard merge --config``, and a caller's value wins over the recipe's, as an option does."""
+    import hashlib
+
+    from dghard_cli.recipes.options import run_recipe as library_run
+
+    _, by_cli = merged_by(tree, tmp_path, TIES)
+    path = tmp_path / "again.yml"
+    path.write_text(local(TIES, tree))
+    doc = library_run(path, out=tmp_path / "lib", run=RunOptions(quiet=True))
+    shards = lambda d: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in d.glob("*.safetensors")}  # noqa: E731
+    assert shards(tmp_path / "lib") == shards(by_cli) and shards(by_cli)
+    assert doc["parameters"]["density"] == 0.5
+    doc = library_run(path, out=tmp_path / "lib2", params={"density": 0.2}, run=RunOptions(quiet=True))
+    assert doc["parameters"]["density"] == 0.2 and doc["parameters"]["weights"] == [0.5, 0.3]

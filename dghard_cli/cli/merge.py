@@ -206,46 +206,16 @@ def _param_options() -> list[inspect.Parameter]:
     return out
 
 
-def _cli_values(kw: dict, recipe_values: dict, recipe_maps: dict, where: str | None) -> dict:
-    """Each method parameter's value: the command line's, else the recipe's (``where``), else
-    None. A field given on the command line (``--lines``) overrides every recipe key of it
-    (``layer_strengths:`` too)."""
-    values: dict = {}
-    on_cli = {
-        q.attr
-        for q in registry.params().values()
-        if q.attr is not None and q.kind != registry.MAPPING and kw[f"param_{q.name}"] is not None
-    }
+def _given_params(kw: dict) -> dict:
+    """The method parameters given as options, by name (``--weights`` parsed; a mapping
+    parameter: its keys given), for :class:`dghard_cli.recipes.options.Given`."""
+    out: dict = {}
     for q in registry.params().values():
         if q.kind == registry.MAPPING:
-            cfg = dict(recipe_maps.get(q.name, {}))
-            for sub in q.sub:
-                if kw[_sub_name(q, sub)] is not None:
-                    cfg[sub.name] = kw[_sub_name(q, sub)]
-            values[q.name] = q.build(cfg) if cfg and q.build is not None else (cfg or None)
+            out[q.name] = {sub.name: kw[_sub_name(q, sub)] for sub in q.sub}
             continue
-        cli = kw[f"param_{q.name}"]
-        if q.kind == registry.WEIGHTS and cli is not None:
-            cli = parse_weights(cli)
-        v = cli if cli is not None or q.attr in on_cli else recipe_values.get(q.name)
-        if v is not None and q.build is not None:
-            try:
-                v = q.build(v)
-            except InputError as exc:
-                raise InputError(f"{where}: {exc}" if cli is None and where else str(exc)) from None
-        values[q.name] = Path(v) if q.kind == registry.PATH and v is not None else v
-    return values
-
-
-def _given_on_command_line(kw: dict) -> set[str]:
-    """The method parameters given as options (they win over a recipe's per-tensor values)."""
-    out = set()
-    for q in registry.params().values():
-        if q.kind == registry.MAPPING:
-            if any(kw[_sub_name(q, sub)] is not None for sub in q.sub):
-                out.add(q.name)
-        elif kw[f"param_{q.name}"] is not None:
-            out.add(q.name)
+        value = kw[f"param_{q.name}"]
+        out[q.name] = parse_weights(value) if q.kind == registry.WEIGHTS and value is not None else value
     return out
 
 
@@ -262,17 +232,11 @@ def merge_cmd(**kw) -> None:
 
         if out is not None:
             precheck_out(out, overwrite=kw["overwrite"])  # before seconds of imports
-        from dghard_cli.engine.plan import PolicyOptions, parse_size
         from dghard_cli.engine.runner import RunOptions
-        from dghard_cli.io.paths import Output, check_outputs
-        from dghard_cli.io.safetensors_format import parse_dtype_option
-        from dghard_cli.merge import MergeOptions, merge
+        from dghard_cli.merge import merge
+        from dghard_cli.recipes.options import Given, merge_call
         from dghard_cli.recipes.recipe import load_recipe
 
-        values: dict = {}
-        maps: dict = {}
-        ft_revisions = None
-        rev_base = base_revision
         recipe = None
         if config is not None:
             recipe = load_recipe(config)
@@ -280,87 +244,32 @@ def merge_cmd(**kw) -> None:
                 raise InputError(
                     f"--config {config} names the models; do not also give BASE/FT on the command line"
                 )
-            base = recipe.base.spec
-            fts = [m.spec for m in recipe.models]
-            ft_revisions = [m.revision for m in recipe.models]
-            rev_base = base_revision or recipe.base.revision
-            values = dict(recipe.values)
-            if recipe.weights is not None:
-                values["weights"] = recipe.weights
-            if recipe.densities is not None:
-                values["density"] = recipe.densities
-            values["method"] = recipe.method
-            maps = recipe.maps
-        else:
-            if not models or len(models) < 2:
-                raise InputError(
-                    "give BASE and at least one fine-tune (dghard merge --method M BASE FT... --out OUT)"
-                )
-            base, fts = models[0], list(models[1:])
-
-        def pick(key, cli_value):
-            return cli_value if cli_value is not None else values.get(key)
-
-        chosen_method = pick("method", method)
-        if chosen_method is None:
-            raise InputError("--method is required (or 'method:' in the --config recipe)")
-        out_dir = pick("out", out)
-        if out_dir is None and recipe is not None and recipe.mergekit:
-            raise InputError(
-                f"--out OUT is required with the mergekit recipe {config} (mergekit-yaml's OUT argument)"
-            )
-        if out_dir is None:
-            raise InputError("--out is required (or 'out:' in the --config recipe)")
-        by_name = _cli_values(kw, values, maps, f"recipe {config}" if config is not None else None)
-        kwargs, extra = registry.options_values(by_name)
-        shard = pick("shard_size", kw["shard_size"])
-        dt = pick("dtype", kw["dtype"])
-        rp = pick("report", kw["report"])
-        min_numel = pick("min_numel", kw["min_numel"])
-        opts = MergeOptions(
-            method=chosen_method,
-            **kwargs,
-            extra=extra,
-            policy=PolicyOptions(
-                min_numel=min_numel if min_numel is not None else 1024,
-                include=kw["include"] or values.get("include") or [],
-                exclude=kw["exclude"] or values.get("exclude") or [],
-                allow_missing=kw["allow_missing"] or bool(values.get("allow_missing", False)),
-                out_dtype=parse_dtype_option(dt) if dt else None,
-                shard_size=(shard if isinstance(shard, int) else parse_size(shard))
-                if shard is not None
-                else None,
-            ),
+        given = Given(
+            models=list(models or []),
+            method=method,
+            out=out,
+            params=_given_params(kw),
+            shard_size=kw["shard_size"],
+            dtype=kw["dtype"],
+            report=kw["report"],
+            min_numel=kw["min_numel"],
+            include=kw["include"] or [],
+            exclude=kw["exclude"] or [],
+            allow_missing=kw["allow_missing"],
+            device=kw["device"],
+            base_revision=base_revision,
             run=RunOptions(
-                device=pick("device", kw["device"]) or "auto",
                 dry_run=dry_run,
                 resume=True if kw["resume"] else None,
                 overwrite=kw["overwrite"],
-                report_path=Path(rp) if rp is not None else None,
                 quiet=quiet or json_out,
                 notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
             ),
-            base_revision=rev_base,
-            ft_revisions=ft_revisions,
-            create_parents=out is None,  # the recipe's out: its parent directories are made
-            tensor_parameters=(
-                recipe.tensor_parameters.without(_given_on_command_line(kw))  # the command line wins
-                if recipe is not None and recipe.tensor_parameters is not None
-                else None
-            ),
             lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"], kw["allow_lossy"]),
-            tokenizer_source=recipe.tokenizer_source if recipe is not None else None,
         )
-        if rp is not None:  # the recipe and a method's input files (--calib) are inputs too
-            given = [("--config", config)]
-            given += [
-                (q.cli_flag, by_name.get(q.name))
-                for q in registry.params().values()
-                if q.kind == registry.PATH
-            ]
-            check_outputs(given, [Output("--report", Path(rp))])
-        return merge(base, fts, Path(out_dir), opts)
+        call = merge_call(given, recipe)
+        return merge(call.base, call.fts, call.out, call.options)
 
     doc = run_cli(body, verbose=verbose)
     from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_merge, render_plan
