@@ -255,3 +255,37 @@ def test_nonfinite_inputs(tmp_path):
     )
     rec = next(r for r in doc["tensors"] if r["name"] == name)
     assert rec["action"] == "kept-ft" and rec["nonfinite"]
+
+
+def test_the_kernels_do_not_depend_on_the_task_vectors_scale():
+    """τ_k is homogeneous in the task vectors, so each kernel M_i is scale-free: float64 task
+    vectors of 1e150 or 1e-80 (whose squared norms' products would overflow or go subnormal)
+    give the kernels of scale 1."""
+    from dghard_cli.methods.wudi import tall_kernels, wide_kernels
+
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn((40, 6), generator=g, dtype=torch.float64) for _ in range(3)]
+    for scale in (1e150, 1e-80):
+        tall = tall_kernels([x.T @ x for x in xs], 25)[0]
+        tall_s = tall_kernels([(scale * x).T @ (scale * x) for x in xs], 25)[0]
+        cross = lambda ys: {(i, j): ys[i].T @ ys[j] for i in range(3) for j in range(i, 3)}  # noqa: E731
+        wide = wide_kernels(cross(xs), 3, 25)[0]
+        wide_s = wide_kernels(cross([scale * x for x in xs]), 3, 25)[0]
+        for a, b in zip([*tall, *wide], [*tall_s, *wide_s], strict=True):
+            assert torch.allclose(a, b, rtol=1e-10, atol=1e-12 * float(a.abs().max())), scale
+
+
+def test_an_adapter_output_is_refused_for_full_fine_tunes(tmp_path, models):
+    """WUDI keeps the sum of the task vectors where the descent does not reach: not low-rank."""
+    res = run_dghard(
+        "merge",
+        "--method",
+        "wudi",
+        "--format",
+        "peft",
+        models["base"],
+        *models["fts"],
+        "--out",
+        tmp_path / "o",
+    )
+    assert res.returncode == 2 and "not low-rank" in res.stderr and res.stderr.count("\n") == 1, res.stderr

@@ -480,6 +480,7 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
             "calibrate 'svd': --calibrate must be svc",
         ),
         ({"grid": [0.3], "range": [0.1, 1.5], "calibrate": {"svc": 1}}, "'calibrate' must be a list"),
+        ({"grid": [0.3], "range": [0.1, 1.5], "calibrate": False}, "'calibrate' must be a list"),
     ],
 )
 def test_merges_block_errors_name_the_key(block, message):
@@ -524,17 +525,19 @@ def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
     best = make_candidate(ties, 0.45, n_fts=3)
     base, ft = Checkpoint(experts.base, label="BASE"), Checkpoint(experts.fts[0], label="FT")
     try:
-        (dens, svc, sched), notes = merges.followups(ties, best, 40, base, ft)
+        (dens, sched, svc), notes = merges.followups(ties, best, 40, base, ft)
     finally:
         base.close()
         ft.close()
-    assert not notes and (dens.index, svc.index, sched.index) == (40, 41, 42)
+    # the schedule before SVC: at a small budget the round-robin reaches it first, as before SVC
+    assert not notes and (dens.index, sched.index, svc.index) == (40, 41, 42)
     # the SVC follow-up: the best merge itself, once, with --calibrate svc
     assert (
         svc.family == "ties" and svc.grid == [0.45] and not svc.refine and svc.fixed == {"calibrate": "svc"}
     )
     c = make_candidate(svc, 0.45, n_fts=3)
     assert dict(c.params) == {**dict(best.params), "calibrate": "svc"}
+    assert "calibrate=svc" in c.label and c.label != best.label  # told apart in every table
     argv = reproduce_argv(c, "B", ["F1", "F2", "F3"], "OUT", "auto")
     assert argv[argv.index("--calibrate") + 1] == "svc" and argv[argv.index("--lambda") + 1] == "0.45"
     assert dens.family == "ties" and dens.axis == "density" and dens.grid == [0.1, 0.5]
@@ -548,7 +551,7 @@ def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
     (ta,) = [e for e in entries if e.family == "task-arithmetic" and e.origin == "merges"]
     base, ft = Checkpoint(experts.base, label="BASE"), Checkpoint(experts.fts[0], label="FT")
     try:
-        (svc, _), _ = merges.followups(ta, make_candidate(ta, 0.3, n_fts=3), 7, base, ft)
+        (_, svc), _ = merges.followups(ta, make_candidate(ta, 0.3, n_fts=3), 7, base, ft)
         (only,), _ = merges.followups(ta, make_candidate(ta, 0.3, n_fts=3), 7, base, ft, density=False)
     finally:
         base.close()

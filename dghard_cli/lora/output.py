@@ -87,6 +87,8 @@ NOT_LOW_RANK = frozenset(
         "layer-strengths",
         "iso-c",  # a flat spectrum over the whole rank of Σ Δ_i
         "iso-cts",  # a flat spectrum over all min(m, n) directions
+        "cart",  # the mean task vector plus low-rank parts
+        "wudi",  # the sum of the task vectors in the directions the descent leaves
     }
 )
 #: A repair that is a layer-strength schedule alone (``--lines``/``--layer-strengths``, no filter).

@@ -31,7 +31,7 @@ matrix: for a tall matrix (m ≥ n) A is n × n from the T Gram matrices G_i = �
 τ_k = Σ_i τ_i·(e(A) + G_i·f(A)/c_i); for a wide one (m < n, as ``down_proj``) the same filter is
 applied to the T·m × T·m matrix K of the scaled cross products Y_i·Y_jᵀ (Y_i = τ_i/√c_i, which has
 A's non-zero eigenvalues: Y·g(YᵀY) = g(YYᵀ)·Y), and τ_k = Σ_j Q_j·τ_j/√c_j with
-Q = [√c_i·I]·e(K) + [K_ii/√c_i]·f(K). Working set: (T + 4)·8·n² bytes (tall), 4·8·(T·m)² + the
+Q = [√c_i·I]·e(K) + [K_ii/√c_i]·f(K). Working set: (T + 9)·8·n² bytes (tall), 9·8·(T·m)² + the
 matrix read whole (wide); checked before anything is written.
 
 Accuracy: e and f are polynomials of degree k in A/λ_max; the eigendecomposition's backward
@@ -90,9 +90,17 @@ def error_bound(order: int, steps: int) -> float:
     return EPS64 * order * (steps + steps * steps / 2.0)
 
 
-def _filtered(sym: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor, float, float]:
-    """``e(S)``, ``f(S)``, λ_max and the share of the trace in directions that converged (e < 1 %)."""
-    lam, v = torch.linalg.eigh(0.5 * (sym + sym.T))
+def _filtered(
+    sym: torch.Tensor, steps: int, *, consume: bool = False
+) -> tuple[torch.Tensor, torch.Tensor, float, float]:
+    """``e(S)``, ``f(S)``, λ_max and the share of the trace in directions that converged (e < 1 %);
+    ``consume``: ``sym`` may be overwritten (symmetrised in place: one matrix less)."""
+    if consume:
+        sym.add_(sym.T.clone()).mul_(0.5)
+    else:
+        sym = 0.5 * (sym + sym.T)
+    lam, v = torch.linalg.eigh(sym)
+    del sym
     e, f = gd_filters(lam, steps)
     pos = lam.clamp(min=0.0)
     trace = float(pos.sum())
@@ -100,8 +108,9 @@ def _filtered(sym: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor
     return (v * e) @ v.T, (v * f) @ v.T, float(lam[-1]) if lam.numel() else 0.0, converged
 
 
-def tall_kernels(grams: Sequence[torch.Tensor], steps: int) -> tuple[list[torch.Tensor], dict]:
-    """A tall matrix (τ_i = X_i): ``M_i = e(A) + G_i·f(A)/c_i`` so that τ_k = Σ_i X_i·M_i."""
+def tall_kernels(grams: list[torch.Tensor], steps: int) -> tuple[list[torch.Tensor], dict]:
+    """A tall matrix (τ_i = X_i): ``M_i = e(A) + G_i·f(A)/c_i`` so that τ_k = Σ_i X_i·M_i
+    (``grams`` is emptied: each Gram is freed as its kernel is made)."""
     c = [float(torch.trace(g)) for g in grams]
     live = [i for i, ci in enumerate(c) if ci > 0.0]
     n = grams[0].shape[0]
@@ -110,11 +119,17 @@ def tall_kernels(grams: Sequence[torch.Tensor], steps: int) -> tuple[list[torch.
     a = torch.zeros_like(grams[0])
     for i in live:
         a.add_(grams[i], alpha=1.0 / c[i])
-    e, f, top, conv = _filtered(a, steps)
+    e, f, top, conv = _filtered(a, steps, consume=True)
     del a
     out = []
-    for i, g in enumerate(grams):
-        out.append(e + (g @ f) / c[i] if i in live else torch.zeros((n, n), dtype=g.dtype, device=g.device))
+    for i in range(len(grams)):
+        g = grams[i]
+        grams[i] = None  # type: ignore[call-overload]  # each Gram freed as its kernel is made
+        if i in live:
+            out.append(torch.addmm(e, g, f, alpha=1.0 / c[i]))
+        else:
+            out.append(torch.zeros((n, n), dtype=g.dtype, device=g.device))
+        del g
     return out, {"lambda_max": top, "converged_share": conv}
 
 
@@ -135,26 +150,34 @@ def wide_kernels(
     for a, i in enumerate(live):
         for b, j in enumerate(live):
             blk = cross[i, j] if i <= j else cross[j, i].T
-            k[a * m : (a + 1) * m, b * m : (b + 1) * m] = blk / math.sqrt(c[i] * c[j])
-    e, f, top, conv = _filtered(k, steps)
+            k[a * m : (a + 1) * m, b * m : (b + 1) * m] = blk / (math.sqrt(c[i]) * math.sqrt(c[j]))
+    e, f, top, conv = _filtered(k, steps, consume=True)
+    del k
     # Q = C·e(K) + D·f(K): block row a of C is √c_i·I, of D K_ii/√c_i (= √c_i·Kn_ii)
     q = torch.zeros((m, t * m), dtype=ref.dtype, device=ref.device)
     for a, i in enumerate(live):
         rows = slice(a * m, (a + 1) * m)
         q.add_(e[rows], alpha=math.sqrt(c[i]))
         q.addmm_(cross[i, i], f[rows], alpha=1.0 / math.sqrt(c[i]))
-    del e, f, k
+    del e, f
     for b, j in enumerate(live):
         zeros[j] = q[:, b * m : (b + 1) * m].T / math.sqrt(c[j])
     return zeros, {"lambda_max": top, "converged_share": conv}
 
 
 def working_bytes(rows: int, cols: int, n_fts: int) -> int:
-    """The float64 working set of one matrix (see the module docstring)."""
+    """The float64 working set of one matrix (see the module docstring): a tall one's T Gram
+    matrices (then kernels), A, its eigenvectors, e(A), f(A) and the eigensolver's workspace
+    (n × n each; measured peaks: 79 MB for n = 1000, T = 2, 111 MB for T = 6); a wide one's
+    T·m × T·m matrix, its eigenvectors, e, f, their products and the workspace (72 MB measured
+    for T·m = 1000), its cross products and kernels, and the matrix read whole (base and fine-tunes,
+    up to float64)."""
     if rows >= cols:
-        return (n_fts + 4) * 8 * cols * cols
+        return (n_fts + 9) * 8 * cols * cols
     tm = n_fts * rows
-    return 4 * 8 * tm * tm + (n_fts * (n_fts + 1) // 2 + n_fts) * 8 * rows * rows + 3 * 4 * rows * cols
+    return (
+        9 * 8 * tm * tm + (n_fts * (n_fts + 1) // 2 + n_fts) * 8 * rows * rows + (n_fts + 1) * 8 * rows * cols
+    )
 
 
 # -- streaming ------------------------------------------------------------------------------------
@@ -210,7 +233,8 @@ class WudiMergeOp:
             yield from passthrough(job, src, rec)
             return
         if blocks.tall:
-            kernels, stats = tall_kernels([grams[i, i] for i in range(blocks.n)], self.steps)
+            diag = [grams.pop((i, i)) for i in range(blocks.n)]
+            kernels, stats = tall_kernels(diag, self.steps)
             order = blocks.small
         else:
             kernels, stats = wide_kernels(grams, blocks.n, self.steps)
@@ -282,7 +306,8 @@ def check_plan(p: dict, jobs: Sequence[TensorJob], n_fts: int, policy: Any, devi
         raise InputError(
             f"tensor {job.name!r}: --method wudi with --steps {steps} has an error bound of {bound:.1e} "
             f"on this {rows}×{job.shape[1]} matrix, above the {job.final_dtype or job.out_dtype} output's "
-            f"resolution {tol:.1e}; give --steps {top} or fewer, or write --dtype bf16"
+            f"resolution {tol:.1e}; give --steps {top} or fewer"
+            + (", or write --dtype bf16" if tolerance("BF16") > tol and bound <= tolerance("BF16") else "")
         )
 
 

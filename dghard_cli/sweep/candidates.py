@@ -217,7 +217,7 @@ class Candidate:
 
 
 #: Fixed parameters shown in a candidate's label (the rest are in its parameters).
-_SHOWN = {"a", "b", "scale", "sigma", "density", "lambda", "weights", "seed"}
+_SHOWN = {"a", "b", "scale", "sigma", "density", "lambda", "weights", "seed", "calibrate"}
 
 
 def _fmt(v: object) -> str:

@@ -175,9 +175,8 @@ def parse_block(raw: object, where: str) -> MergesBlock:
     tol = raw.get("tolerance", DEFAULT_TOLERANCE)
     if not _num(tol) or not 0 < float(tol) <= 1:
         raise InputError(f"{at}: 'tolerance' must be a number in (0, 1] (share of the range)")
-    calibrate = raw.get("calibrate", []) or []
-    if isinstance(calibrate, str):
-        calibrate = [calibrate]
+    calibrate = raw.get("calibrate")
+    calibrate = [] if calibrate is None else [calibrate] if isinstance(calibrate, str) else calibrate
     if not isinstance(calibrate, list) or not all(isinstance(x, str) for x in calibrate):
         raise InputError(f"{at}: 'calibrate' must be a list of post-steps (svc)")
     check = registry.params()["calibrate"].check
@@ -330,25 +329,6 @@ def followups(
                     origin=f"follow-up: density of {cand.label}",
                 )
             )
-    if density:
-        for step in f.get("calibrate") or ():
-            fixed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in entry.fixed.items()}
-            fixed["calibrate"] = step
-            out.append(
-                FamilyEntry(
-                    family=entry.family,
-                    grid=[cand.value],
-                    axis=entry.axis,
-                    range=entry.range,
-                    log=entry.log,
-                    tolerance=entry.tolerance,
-                    refine=False,
-                    fixed=fixed,
-                    fine_tunes="several",
-                    index=start + len(out),
-                    origin=f"follow-up: --calibrate {step} of {cand.label}",
-                )
-            )
     if f.get("lines"):
         problem = schedule_problem(base, ft)
         if problem is not None:
@@ -372,6 +352,25 @@ def followups(
                     grid_pairs=list(f["lines"]),
                     num_layers=checkpoint_depth(ft).num_layers,
                     merge_params=tuple(sorted((k, v) for k, v in params.items() if k != "lines")),
+                )
+            )
+    if density:
+        for step in f.get("calibrate") or ():
+            fixed = {k: (list(v) if isinstance(v, tuple) else v) for k, v in entry.fixed.items()}
+            fixed["calibrate"] = step
+            out.append(
+                FamilyEntry(
+                    family=entry.family,
+                    grid=[cand.value],
+                    axis=entry.axis,
+                    range=entry.range,
+                    log=entry.log,
+                    tolerance=entry.tolerance,
+                    refine=False,
+                    fixed=fixed,
+                    fine_tunes="several",
+                    index=start + len(out),
+                    origin=f"follow-up: --calibrate {step} of {cand.label}",
                 )
             )
     return out, notes
