@@ -15,14 +15,13 @@ import pytest
 import torch
 from conftest import f64, load_dir, run_dghard
 from test_merge_spectral import (
-    TIED,
     _policy,
     as64,
     assert_close,
     is_matrix,
+    model_set,
     odd_shapes,
     run,
-    three,
 )
 
 from dghard_cli.testing.synthetic import write_checkpoint
@@ -78,21 +77,7 @@ def reference(method, base, fts, **kw):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("low-rank-merge")
-    from test_merge_spectral import CFG
-
-    base, fts = three(root / "untied", CFG)
-    tbase, tfts = three(root / "tied", TIED)
-    return {
-        "base": base,
-        "fts": fts,
-        "B": as64(load_dir(base)),
-        "F": [as64(load_dir(f)) for f in fts],
-        "tbase": tbase,
-        "tfts": tfts,
-        "TB": as64(load_dir(tbase)),
-        "TF": [as64(load_dir(f)) for f in tfts],
-    }
+    return model_set(tmp_path_factory.mktemp("low-rank-merge"))
 
 
 # -- the methods against their references ---------------------------------------------------------

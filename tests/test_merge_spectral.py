@@ -140,9 +140,9 @@ def three(root, cfg, dtype="float32", delta=None):
     return base, [ft1, ft2, ft3]
 
 
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("spectral-merge")
+def model_set(root) -> dict:
+    """BASE and three fine-tunes, untied and tied vocabularies, and their float64 tensors (the
+    fixture of every merge-method test file)."""
     base, fts = three(root / "untied", CFG)
     tbase, tfts = three(root / "tied", TIED)
     return {
@@ -155,6 +155,11 @@ def models(tmp_path_factory):
         "TB": as64(load_dir(tbase)),
         "TF": [as64(load_dir(f)) for f in tfts],
     }
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    return model_set(tmp_path_factory.mktemp("spectral-merge"))
 
 
 def opts(method, **kw) -> MergeOptions:

@@ -15,7 +15,15 @@ import numpy as np
 import pytest
 import torch
 from conftest import load_dir, run_dghard
-from test_merge_spectral import TIED, _policy, as64, assert_close, is_matrix, odd_shapes, run, three
+from test_merge_spectral import (
+    _policy,
+    as64,
+    assert_close,
+    is_matrix,
+    model_set,
+    odd_shapes,
+    run,
+)
 
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
@@ -56,21 +64,7 @@ def reference(base, fts, **kw):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("wudi-merge")
-    from test_merge_spectral import CFG
-
-    base, fts = three(root / "untied", CFG)
-    tbase, tfts = three(root / "tied", TIED)
-    return {
-        "base": base,
-        "fts": fts,
-        "B": as64(load_dir(base)),
-        "F": [as64(load_dir(f)) for f in fts],
-        "tbase": tbase,
-        "tfts": tfts,
-        "TB": as64(load_dir(tbase)),
-        "TF": [as64(load_dir(f)) for f in tfts],
-    }
+    return model_set(tmp_path_factory.mktemp("wudi-merge"))
 
 
 # -- against the reference ------------------------------------------------------------------------
