@@ -49,7 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dghard_cli.engine.ops import JobInputs, passthrough
+from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.working_memory import check_dense_svd
 from dghard_cli.errors import InputError
@@ -60,6 +60,7 @@ from dghard_cli.methods.subspace import (
     ALPHA_SWEEP_RANGE,
     NonFiniteInput,
     TallBlocks,
+    kept_nonfinite,
     matrix_rule,
     tolerance,
 )
@@ -196,12 +197,8 @@ class LowRankMergeOp:
         xs = blocks.whole()
         if not all(bool(torch.isfinite(x).all()) for x in xs):
             if not src.allow_nonfinite:
-                raise NonFiniteInput(
-                    f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the "
-                    "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
-                )
-            rec["action"], rec["reason"], rec["nonfinite"] = "kept-ft", "nonfinite", True
-            yield from passthrough(job, src, rec)
+                raise NonFiniteInput.of(job)
+            yield from kept_nonfinite(job, src, rec)
             return
         written = job.final_dtype or job.out_dtype
         res = self.merge(xs, tolerance(written))

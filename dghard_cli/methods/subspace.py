@@ -154,6 +154,19 @@ def tolerance(out_dtype: str) -> float:
 class NonFiniteInput(InputError):
     """BASE or a fine-tune holds NaN/Inf in a matrix (or its delta overflows)."""
 
+    @classmethod
+    def of(cls, job: TensorJob) -> NonFiniteInput:
+        return cls(
+            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the "
+            "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
+        )
+
+
+def kept_nonfinite(job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
+    """A matrix with NaN/Inf inputs under ``--allow-nonfinite``: the fine-tune's value, reported."""
+    rec["action"], rec["reason"], rec["nonfinite"] = "kept-ft", "nonfinite", True
+    return passthrough(job, src, rec)
+
 
 class TallBlocks:
     """The tall-form blocks of one matrix, every pass the same: ``(base block, [X_i block])``.
@@ -214,10 +227,7 @@ class TallBlocks:
         self._sumsq = [float(t) for t in sumsq]
         for g in [*gs, *([gt] if gt is not None else [])]:
             if not bool(torch.isfinite(g).all()):
-                raise NonFiniteInput(
-                    f"tensor {self.job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix "
-                    "the checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
-                )
+                raise NonFiniteInput.of(self.job)
         return gs, gt
 
     def noise(self, which: Sequence[int] | None = None) -> float:
@@ -354,8 +364,7 @@ class SubspaceMergeOp:
         except NonFiniteInput:
             if not src.allow_nonfinite:
                 raise
-            rec["action"], rec["reason"], rec["nonfinite"] = "kept-ft", "nonfinite", True
-            yield from passthrough(job, src, rec)
+            yield from kept_nonfinite(job, src, rec)
             return
         bound = EPS64 * res.amplification
         written = job.final_dtype or job.out_dtype  # a schedule's wide intermediate is not what is written

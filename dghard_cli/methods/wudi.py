@@ -52,13 +52,20 @@ from typing import Any
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, passthrough
+from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.working_memory import check_dense_svd
 from dghard_cli.errors import InputError
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
 from dghard_cli.methods.registry import INT, BuildContext, MergeMethod, Param
-from dghard_cli.methods.subspace import ALPHA_SWEEP_RANGE, NonFiniteInput, TallBlocks, matrix_rule, tolerance
+from dghard_cli.methods.subspace import (
+    ALPHA_SWEEP_RANGE,
+    NonFiniteInput,
+    TallBlocks,
+    kept_nonfinite,
+    matrix_rule,
+    tolerance,
+)
 from dghard_cli.spectral.routes import gram_add_
 
 EPS64 = 2.0**-52
@@ -212,10 +219,7 @@ class WudiMergeOp:
                 else:
                     g.addmm_(xs[i].T, xs[j])
         if not all(bool(torch.isfinite(g).all()) for g in out.values()):
-            raise NonFiniteInput(
-                f"tensor {blocks.job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the "
-                "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
-            )
+            raise NonFiniteInput.of(blocks.job)
         return out
 
     def __call__(self, job: TensorJob, src: JobInputs, rec: dict) -> Iterator[torch.Tensor]:
@@ -229,8 +233,7 @@ class WudiMergeOp:
         except NonFiniteInput:
             if not src.allow_nonfinite:
                 raise
-            rec["action"], rec["reason"], rec["nonfinite"] = "kept-ft", "nonfinite", True
-            yield from passthrough(job, src, rec)
+            yield from kept_nonfinite(job, src, rec)
             return
         if blocks.tall:
             diag = [grams.pop((i, i)) for i in range(blocks.n)]
