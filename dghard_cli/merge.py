@@ -23,6 +23,7 @@ Every method takes a layer-strength schedule (``schedule``: ``--lines A,B`` or
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,20 @@ def _make_op(method: str, p: dict, opts: MergeOptions, recall_w, device):
     return registry.methods()[method].make_op(p, registry.BuildContext(opts, device, recall_w))
 
 
+def _core_route(kind: str, opts: MergeOptions, op_maker) -> dict:
+    """``--core-space``: the method's operation for cores, and which modules it merges.
+
+    A core is at most Σ r_i wide, so the method is built with no ``--min-numel`` floor; a
+    "lossless" method takes the modules its matrix rule treats as matrices on the full tensors
+    (the rest, which it averages, are merged on the full tensors by the factored route, exactly as
+    without --core-space), a "cores" (elementwise) method every LoRA module."""
+    from dghard_cli.methods.subspace import matrix_rule
+
+    core_opts = dataclasses.replace(opts, policy=dataclasses.replace(opts.policy, min_numel=0))
+    rule = matrix_rule(opts.policy) if kind == "lossless" else (lambda job: True)
+    return {"make_core_op": op_maker(core_opts), "core_rule": rule}
+
+
 def merge(
     base: str | Path,
     fts: list[str | Path],
@@ -203,6 +218,13 @@ def merge(
             ck = open_ft(str(ft), base=base_ck, revision=rev, label=label)
             opened.append(ck)
             ft_cks.append(ck)
+        core_kind = registry.methods()[method].core_space
+        if opts.lora.core_space and core_kind is None:
+            takers = ", ".join(n for n, m in registry.methods().items() if m.core_space)
+            raise InputError(
+                f"--core-space: --method {method} cannot run on the adapters' cores (it reads BASE's weights "
+                f"or depends on the full matrix's size); --core-space takes {takers}"
+            )
         output = AdapterOutput(
             opts.lora,
             base_ck,
@@ -211,8 +233,9 @@ def merge(
             method=method,
             params=p,
             out_dtype=opts.policy.out_dtype,
+            core_kind=core_kind,
         )
-        if output.format == "peft" and "calibrate" in p:
+        if output.format == "peft" and "calibrate" in p and output.core_kind is None:
             raise InputError(
                 "--calibrate svc rescales the merged update's singular values, which the adapter routes "
                 "do not compute: write a full checkpoint (--format full)"
@@ -257,22 +280,28 @@ def merge(
             parameters["per_tensor"] = "varies by tensor (the recipe's gradients/filters): see each tensor"
             parameters["varies_per_tensor"] = varying_parameters(sets)
 
-        def make_op(device):
-            if sets is None:
-                return _make_op(method, p, opts, recall_w, device)
-            return PerTensorOp(sets, lambda q: _make_op(method, q, opts, recall_w, device))
+        def op_maker(o: MergeOptions):
+            def make_op(device):
+                if sets is None:
+                    return _make_op(method, p, o, recall_w, device)
+                return PerTensorOp(sets, lambda q: _make_op(method, q, o, recall_w, device))
 
-        if p.get("calibrate") == "svc":  # before the schedule: W_base + λ(ℓ)·ΔW_svc
-            from dghard_cli.methods import svc
-            from dghard_cli.methods.subspace import matrix_rule
+            if p.get("calibrate") == "svc":  # before the schedule: W_base + λ(ℓ)·ΔW_svc
+                from dghard_cli.methods import svc
+                from dghard_cli.methods.subspace import matrix_rule
 
-            make_op = svc.wrap(make_op, p.get("svc_alpha", svc.SVC_ALPHA), matrix_rule(opts.policy))
+                make_op = svc.wrap(make_op, p.get("svc_alpha", svc.SVC_ALPHA), matrix_rule(o.policy))
+            return wrap_scheduled(make_op) if strengths is not None else make_op
+
+        make_op = op_maker(opts)
         if strengths is not None:
             extra["layer_strengths"] = strengths.report()
-            make_op = wrap_scheduled(make_op)
         if output.format == "peft":
             if opts.create_parents and not opts.run.dry_run:
                 Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
+            core: dict = {}
+            if output.core_kind is not None:
+                core = _core_route(output.core_kind, opts, op_maker)
             return output.write(
                 out=Path(out),
                 plan=plan,
@@ -280,6 +309,7 @@ def merge(
                 run=opts.run,
                 parameters=parameters,
                 strengths=strengths,
+                **core,
             )
         parameters.update(output.full_parameters())
 

@@ -154,8 +154,8 @@ RankOpt = Annotated[
     Optional[int],
     typer.Option(
         "--rank",
-        help="--format peft: truncate each module's update to this rank with the exact SVD (needed when "
-        "the update is not low-rank: TIES, DARE, strengths of full fine-tunes); the energy lost is reported.",
+        help="--format peft: cut each module's update to this rank with the exact SVD (needed when it is "
+        "not low-rank: TIES, DARE); the energy lost is reported.",
     ),
 ]
 
@@ -164,18 +164,31 @@ AllowLossyOpt = Annotated[
     bool,
     typer.Option(
         "--allow-lossy",
-        help="Adapter output: write it even when the default rank limit cuts the update (TIES/DARE of "
-        "adapters, a DoRA update that cannot stay DoRA), which is otherwise refused; the report says "
-        "the energy kept.",
+        help="Adapter output: write it even when the default rank limit cuts the update (refused "
+        "otherwise); the report says the energy kept.",
     ),
 ]
 
 
-def lora_options(fmt: str, merge: bool, rank: int | None, allow_lossy: bool = False) -> LoraOutputOptions:
-    """The library's output options from ``--format``, ``--merge``, ``--rank`` and ``--allow-lossy``."""
+CoreSpaceOpt = Annotated[
+    bool,
+    typer.Option(
+        "--core-space",
+        help="Adapters in, adapter out: merge in their shared core space (docs/lora.md).",
+    ),
+]
+
+
+def lora_options(
+    fmt: str, merge: bool, rank: int | None, allow_lossy: bool = False, core_space: bool = False
+) -> LoraOutputOptions:
+    """The library's output options from ``--format``, ``--merge``, ``--rank``, ``--allow-lossy``
+    and ``--core-space``."""
     from dghard_cli.lora.output import LoraOutputOptions
 
-    return LoraOutputOptions(format=fmt.strip().lower(), merge=merge, rank=rank, allow_lossy=allow_lossy)
+    return LoraOutputOptions(
+        format=fmt.strip().lower(), merge=merge, rank=rank, allow_lossy=allow_lossy, core_space=core_space
+    )
 
 
 def is_adapter_doc(doc: dict) -> bool:

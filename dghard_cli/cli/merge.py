@@ -13,6 +13,7 @@ from dghard_cli.cli.common import (
     DEVICES,
     AllowLossyOpt,
     BaseRevisionOpt,
+    CoreSpaceOpt,
     DryRunOpt,
     DtypeOpt,
     FormatOpt,
@@ -136,6 +137,7 @@ def _tail(
     merge_adapter: MergeOpt = False,
     rank: RankOpt = None,
     allow_lossy: AllowLossyOpt = False,
+    core_space: CoreSpaceOpt = False,
     quiet: QuietOpt = False,
     verbose: VerboseOpt = False,
     json_out: JsonOpt = False,
@@ -266,7 +268,9 @@ def merge_cmd(**kw) -> None:
                 notices=not quiet,
                 argv=["dghard", *sys.argv[1:]],
             ),
-            lora=lora_options(kw["output_format"], kw["merge_adapter"], kw["rank"], kw["allow_lossy"]),
+            lora=lora_options(
+                kw["output_format"], kw["merge_adapter"], kw["rank"], kw["allow_lossy"], kw["core_space"]
+            ),
         )
         call = merge_call(given, recipe)
         return merge(call.base, call.fts, call.out, call.options)

@@ -261,6 +261,14 @@ def render_adapter(console: Console, doc: dict) -> None:
     t.add_column(style="bold")
     t.add_column()
     t.add_row("output", Text(f"{out['path']} (PEFT LoRA adapter, {a.get('route')} route)"))
+    core = doc["parameters"].get("core_space_merge")
+    if core:  # --core-space: say which merge the cores got
+        what = (
+            "the same merge as on the full tensors"
+            if core == "lossless"
+            else f"{doc.get('method')} of the cores (Core Space), not {doc.get('method')} of the full tensors"
+        )
+        t.add_row("core space", Text(what))
     t.add_row(
         "modules",
         f"{a.get('lora_modules', 0)} low-rank (rank median {a.get('rank_median')}, max {a.get('rank_max')}), "

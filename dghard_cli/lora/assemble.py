@@ -178,9 +178,13 @@ def assemble(
         "rank_cap": (
             f"--rank {ctx.rank}"
             if ctx.rank is not None
-            else ("the largest input rank of each module" if not ctx.exact and ctx.input_ranks else None)
+            else (
+                "the largest input rank of each module"
+                if not ctx.exact and ctx.core_rule is None and ctx.input_ranks
+                else None
+            )
         ),
-        "route": "exact" if ctx.exact else "factored",
+        "route": "exact" if ctx.exact else "core-space" if ctx.core_rule is not None else "factored",
         "dora": use_dora,
         "base_model_name_or_path": base_name,
         "base_reference": base_kind,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from dghard_cli.engine.plan import TensorJob
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.lora.source import AdapterCheckpoint
 
@@ -37,6 +38,9 @@ class RouteContext:
     layer_strengths: Mapping[str, tuple]
     #: per module, the largest rank among the adapter inputs (the factored route's default cap)
     input_ranks: Mapping[str, int]
+    #: ``--core-space``: which LoRA modules the core-space route merges
+    #: (:mod:`~dghard_cli.lora.route_core`); None: no core space
+    core_rule: Callable[[TensorJob], bool] | None = None
 
 
 def input_ranks(fts: Sequence[Checkpoint]) -> dict[str, int]:

@@ -50,7 +50,7 @@ import torch
 
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp
-from dghard_cli.engine.plan import Plan
+from dghard_cli.engine.plan import Plan, TensorJob
 from dghard_cli.engine.runner import (
     RunOptions,
     check_report_path,
@@ -69,7 +69,7 @@ from dghard_cli.lora.card import adapter_card
 from dghard_cli.lora.context import RouteContext, input_ranks
 from dghard_cli.lora.route_exact import dora_blocker, exact_units, uses_dora
 from dghard_cli.lora.route_factored import factored_units
-from dghard_cli.lora.source import is_adapter
+from dghard_cli.lora.source import AdapterCheckpoint, is_adapter
 from dghard_cli.lora.writer import ADAPTER_FILES, AdapterStage, tokenizer_files
 from dghard_cli.report import build as report_mod
 
@@ -103,6 +103,7 @@ class LoraOutputOptions:
     merge: bool = False  # adapter inputs: write the full merged checkpoint
     rank: int | None = None  # cap of each module's rank in an adapter output (exact SVD)
     allow_lossy: bool = False  # write an adapter that cuts the update (default rank cap) anyway
+    core_space: bool = False  # merge LoRA adapters in their shared core space (merge only)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
@@ -115,14 +116,22 @@ class LoraOutputOptions:
             raise InputError(
                 "--merge writes a full checkpoint and --format peft an adapter; give one of them"
             )
+        if self.core_space and (self.merge or self.format == "full"):
+            raise InputError(
+                "--core-space merges LoRA adapters into an adapter, and --merge/--format full asks for a "
+                "full checkpoint; drop one of them"
+            )
 
     def describe(self) -> dict:
-        return {
+        doc = {
             "format": self.format,
             "merge": self.merge,
             "rank": self.rank,
             "allow_lossy": self.allow_lossy,
         }
+        if self.core_space:  # only when asked: the reports of other runs keep their keys
+            doc["core_space"] = True
+        return doc
 
     @property
     def cut_asked(self) -> str | None:
@@ -183,6 +192,29 @@ def lossy_message(account: dict, records: list[dict], cap_description: str) -> s
         "--allow-lossy "
         "to write the cut adapter"
     )
+
+
+def _same_tensor(a, b) -> bool:
+    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(a.read_raw(), b.read_raw())
+
+
+def core_blocker(ft: Checkpoint, base: Checkpoint) -> str | None:
+    """Why an adapter cannot be merged in the core space (None: it can): its update must be
+    exactly ``s·B·A`` on BASE's weight, so DoRA, ``lora_bias`` and a replaced base weight cannot
+    (PEFT's copy of an embedding it adapts, ``save_embedding_layers``, is fine when it is BASE's)."""
+    if not isinstance(ft, AdapterCheckpoint):
+        return None
+    for m, d in ft.modules.items():
+        if d.magnitude is not None:
+            return f"{ft.source} is a DoRA adapter (module {m!r}), whose update is not a product B·A"
+        if d.b_bias is not None:
+            return f"module {m!r} of {ft.source} has lora_bias, which the cores do not hold"
+        own = ft.full.get(d.weight_name)
+        if own is not None and not (
+            d.weight_name in base.tensors and _same_tensor(own, base.tensors[d.weight_name])
+        ):
+            return f"{ft.source} replaces the base weight of {m!r} (base_layer.weight)"
+    return None
 
 
 def linear_coefficients(method: str, params: dict) -> Callable[[str], list[float]] | None:
@@ -250,6 +282,7 @@ class AdapterOutput:
         params: dict,
         spec=None,  # the repair's ShrinkSpec (None for merge)
         out_dtype: str | None = None,  # --dtype: of the factors and full tensors of an adapter output
+        core_kind: str | None = None,  # --core-space: the method's MergeMethod.core_space
     ) -> None:
         self.out_dtype = out_dtype
         self.lora = lora or LoraOutputOptions()
@@ -285,9 +318,11 @@ class AdapterOutput:
                 "--allow-lossy lets an adapter output cut the update, and this run writes a full "
                 "checkpoint (exact); drop --allow-lossy"
             )
+        #: --core-space: "lossless" or "cores" (see MergeMethod.core_space); None: not asked
+        self.core_kind = self._core_space(core_kind, fts) if self.lora.core_space else None
         coeffs = linear_coefficients(method, params) if spec is None else None
         self.coefficients = coeffs
-        linear = self.format == "peft" and all_adapters and coeffs is not None
+        linear = self.format == "peft" and all_adapters and coeffs is not None and self.core_kind is None
         #: why DoRA inputs cannot give a DoRA output (the factored route then cuts the update)
         self.dora_blocker = dora_blocker(fts) if linear and uses_dora(fts) else None
         self.exact = linear and self.dora_blocker is None
@@ -301,6 +336,23 @@ class AdapterOutput:
                     "the delta); pass --rank R to truncate each module's update with the exact SVD (the "
                     "energy lost is reported per module), or write a full checkpoint"
                 )
+
+    def _core_space(self, kind: str | None, fts: list[Checkpoint]) -> str:
+        """The core-space kind, once ``--core-space`` is known to apply to this run."""
+        if self.command != "merge":
+            raise InputError("--core-space merges several LoRA adapters: it is an option of `dghard merge`")
+        for f in fts:
+            if not is_adapter(f):
+                raise InputError(
+                    f"--core-space merges LoRA adapters in their shared core space, and {f.source} is a full "
+                    "checkpoint; drop --core-space"
+                )
+            blocked = core_blocker(f, self.base)
+            if blocked is not None:
+                raise InputError(f"--core-space: {blocked}; merge without --core-space")
+        if kind is None:  # merge() names the methods that can
+            raise InputError(f"--core-space: --method {self.method} cannot run on the adapters' cores")
+        return kind
 
     def full_parameters(self) -> dict:
         """What a full-checkpoint run adds to its report parameters: the merge of adapter inputs."""
@@ -316,6 +368,8 @@ class AdapterOutput:
         run: RunOptions,
         parameters: dict,
         strengths=None,  # a bound layer-strength schedule (dghard_cli/schedule/), or None
+        make_core_op: Callable[[torch.device], TensorOp] | None = None,  # --core-space: the op for cores
+        core_rule: Callable[[TensorJob], bool] | None = None,  # --core-space: the modules merged so
     ) -> dict:
         """Write the run's result as a PEFT adapter into OUT; returns the report document.
 
@@ -343,8 +397,10 @@ class AdapterOutput:
                 )
         device = resolve_device(run.device)
         parameters = {**parameters, **self.lora.describe(), "output_format": "peft"}
-        path = "exact" if self.exact else "factored"
+        path = "exact" if self.exact else "core-space" if self.core_kind else "factored"
         parameters["adapter_route"] = path
+        if self.core_kind is not None:
+            parameters["core_space_merge"] = self.core_kind
         common = dict(
             command=self.command,
             argv=run.argv,
@@ -393,6 +449,7 @@ class AdapterOutput:
             coefficients=run_coefficients,
             layer_strengths=layer_strengths,
             input_ranks=input_ranks(fts),
+            core_rule=core_rule,
         )
         written: dict = {}  # the report document, once documents() has built it
         timings: dict = {}
@@ -401,7 +458,8 @@ class AdapterOutput:
             if self.exact:
                 units = exact_units(ctx, stage)
             else:
-                units = factored_units(ctx, stage, plan, make_op(device), device, run)
+                core_op = make_core_op(device) if make_core_op is not None and core_rule is not None else None
+                units = factored_units(ctx, stage, plan, make_op(device), device, run, core_op)
             timings["compute"] = time.perf_counter() - t0
             t1 = time.perf_counter()
             records = [rec for _, rec in units]

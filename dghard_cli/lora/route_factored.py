@@ -34,6 +34,7 @@ from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import FileReader
 from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.lora.context import RouteContext
+from dghard_cli.lora.route_core import core_unit
 from dghard_cli.lora.source import CONV1D_MODEL_TYPES
 from dghard_cli.lora.writer import (
     SPOOL_PREFIX,
@@ -98,10 +99,19 @@ class DeltaStore:
 
 
 def factored_units(
-    ctx: RouteContext, stage: AdapterStage, plan: Plan, op: TensorOp, device: torch.device, run: RunOptions
+    ctx: RouteContext,
+    stage: AdapterStage,
+    plan: Plan,
+    op: TensorOp,
+    device: torch.device,
+    run: RunOptions,
+    core_op: TensorOp | None = None,
 ) -> list[tuple[int, dict]]:
     """Every tensor of the plan, in order; on the CPU small ones two (or more) at a time, one
-    thread each, as the streaming pipeline computes them (large ones alone, all threads)."""
+    thread each, as the streaming pipeline computes them (large ones alone, all threads).
+
+    ``core_op`` (``--core-space``): the method's operation for the LoRA modules that
+    :func:`~dghard_cli.lora.route_core.core_unit` merges in their core space."""
     model_type = (ctx.base.config() or {}).get("model_type")
     units: list[tuple[int, dict]] = []
     opts = run.engine or EngineOptions.for_device(device)
@@ -114,7 +124,7 @@ def factored_units(
 
     def one(job: TensorJob) -> tuple[dict, dict[str, torch.Tensor]]:
         torch.set_num_threads(1)
-        return _factored_unit(ctx, job, op, device, run, stage.dir, model_type)
+        return _factored_unit(ctx, job, op, device, run, stage.dir, model_type, core_op)
 
     def flush(keep: int = 0) -> None:
         while len(pending) > keep:
@@ -140,7 +150,7 @@ def factored_units(
                 continue
             flush()
             torch.set_num_threads(threads)
-            rec, tensors = _factored_unit(ctx, job, op, device, run, stage.dir, model_type)
+            rec, tensors = _factored_unit(ctx, job, op, device, run, stage.dir, model_type, core_op)
             stage.put(index, tensors, rec)
             units.append((index, rec))
         flush()
@@ -161,6 +171,7 @@ def _factored_unit(
     run: RunOptions,
     scratch: Path,
     model_type: str | None,
+    core_op: TensorOp | None = None,
 ) -> tuple[dict, dict[str, torch.Tensor]]:
     """One tensor: the method's output in float64, its update Δ* = W* − W_base, its factors.
 
@@ -169,6 +180,16 @@ def _factored_unit(
     pass of the factorisation; W* itself is kept only for what is written whole (1-D tensors,
     updates that are not low-rank), so memory stays a few blocks plus the factors.
     """
+    if core_op is not None:
+        got = core_unit(ctx, job, core_op, run, model_type)
+        if got is not None:
+            return got
+        if job.base is not None and job.fts and all(f is job.base for f in job.fts):
+            # no adapter touches it (each fine-tune's tensor is BASE's own): nothing to read
+            rec = base_record(job)
+            rec["module"] = job.name.rsplit(".", 1)[0] if "." in job.name else job.name
+            rec["written_as"] = "unchanged"
+            return rec, {}
     job64 = dataclasses.replace(job, out_dtype="F64")
     src = JobInputs(job64, None, allow_nonfinite=run.allow_nonfinite)
     rec = base_record(job)
@@ -219,7 +240,10 @@ def _factored_unit(
             return rec, {}
         if lora_able and finite:
             module = rec["module"]
-            cap = ctx.rank if ctx.rank is not None else ctx.input_ranks.get(module)
+            # --core-space leaves a tensor here only when its full-tensor merge is the one asked for:
+            # exact, so no default cap
+            default_cap = None if ctx.core_rule is not None else ctx.input_ranks.get(module)
+            cap = ctx.rank if ctx.rank is not None else default_cap
             kept = rec.get("low_rank") if rec.get("reason") == "low-rank" else rec.get("rank_kept")
             hint = kept or cap or 16
             fac = factors(store, shape, cap, int(hint), device)

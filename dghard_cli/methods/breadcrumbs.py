@@ -197,6 +197,7 @@ MERGE_METHODS = (
         _breadcrumbs_op(ties=False),
         summary=kept_summary(conflicts=False),
         defaults={"density": 0.9},
+        core_space="cores",
         **_SWEEP,
     ),
     MergeMethod(
@@ -206,6 +207,7 @@ MERGE_METHODS = (
         summary=kept_summary(conflicts=True),
         check_weights=nonnegative_weights,
         defaults={"density": 0.9, "normalize": False},  # mergekit's: the disjoint sum
+        core_space="cores",
         **_SWEEP,
     ),
 )

@@ -334,9 +334,16 @@ _SUM = ("weights", "lambda")
 
 
 BUILTIN_METHODS: tuple[MergeMethod, ...] = (
-    MergeMethod("wise-ft", ("alpha",), _wise_ft_op, fine_tunes="one", sweep_axes=("alpha",)),
     MergeMethod(
-        "task-arithmetic", _SUM, _task_arithmetic_op, sweep_axes=("lambda",), sweep_fixed=("weights",)
+        "wise-ft", ("alpha",), _wise_ft_op, fine_tunes="one", sweep_axes=("alpha",), core_space="lossless"
+    ),
+    MergeMethod(
+        "task-arithmetic",
+        _SUM,
+        _task_arithmetic_op,
+        sweep_axes=("lambda",),
+        sweep_fixed=("weights",),
+        core_space="lossless",
     ),
     MergeMethod(
         "ties",
@@ -346,6 +353,7 @@ BUILTIN_METHODS: tuple[MergeMethod, ...] = (
         check_weights=nonnegative_weights,
         sweep_axes=("density", "lambda"),
         sweep_fixed=("weights", "density", "lambda"),
+        core_space="cores",
     ),
     MergeMethod(
         "dare-linear",
@@ -355,6 +363,7 @@ BUILTIN_METHODS: tuple[MergeMethod, ...] = (
         summary=kept_summary(conflicts=False),
         sweep_axes=("density", "lambda"),
         sweep_fixed=("weights", "density", "lambda", "seed"),
+        core_space="cores",
     ),
     MergeMethod(
         "dare-ties",
@@ -364,6 +373,7 @@ BUILTIN_METHODS: tuple[MergeMethod, ...] = (
         check_weights=nonnegative_weights,
         sweep_axes=("density", "lambda"),
         sweep_fixed=("weights", "density", "lambda", "seed"),
+        core_space="cores",
     ),
     MergeMethod("recall", ("recall", "calib"), _recall_op, calibrates=True),
     MergeMethod(

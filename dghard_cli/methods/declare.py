@@ -109,6 +109,11 @@ class MergeMethod:
     #: checks against the plan before anything is written (working memory, accuracy):
     #: ``check_plan(p, jobs, n_fts, policy, device)``, InputError naming the tensor
     check_plan: Callable[[dict, Any, int, Any, Any], None] | None = None
+    #: ``merge --core-space`` of LoRA adapters (:mod:`dghard_cli.lora.route_core`): ``"lossless"``
+    #: (the merge of the cores is the full-tensor merge: it commutes with orthogonal changes of
+    #: basis and ignores the matrix's size), ``"cores"`` (an elementwise merge: the cores' merge is
+    #: its own, Core Space's), None (refused: it reads BASE's weights or the matrix's size)
+    core_space: str | None = None
 
     @property
     def all_params(self) -> tuple[str, ...]:

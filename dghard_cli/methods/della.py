@@ -198,6 +198,7 @@ MERGE_METHODS = (
         check_weights=nonnegative_weights,
         defaults={"density": 0.5},
         check_params=_check_epsilon,
+        core_space="cores",
         **_SWEEP,
     ),
     MergeMethod(
@@ -207,6 +208,7 @@ MERGE_METHODS = (
         summary=kept_summary(conflicts=False),
         defaults={"density": 0.5},
         check_params=_check_epsilon,
+        core_space="cores",
         **_SWEEP,
     ),
 )

@@ -233,6 +233,7 @@ MERGE_METHODS = (
         defaults={"alpha": 1.0},
         sweep_axes=("alpha",),
         sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
+        core_space="lossless",
     ),
     MergeMethod(
         "iso-cts",
@@ -243,5 +244,6 @@ MERGE_METHODS = (
         sweep_axes=("alpha", "common_space_fraction"),
         sweep_fixed=("alpha", "common_space_fraction"),
         sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
+        core_space="cores",  # its common space is a share of the matrix's size
     ),
 )

@@ -312,6 +312,7 @@ MERGE_METHODS = (
         sweep_axes=("alpha", "eta"),
         sweep_fixed=("eta",),
         sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
+        core_space="lossless",
     ),
     MergeMethod(
         "cart",
@@ -323,5 +324,6 @@ MERGE_METHODS = (
         sweep_axes=("lambda", "rank_ratio"),
         sweep_fixed=("rank_ratio",),
         sweep_ranges={"lambda": (0.0, 4.0)},
+        core_space="cores",  # its low rank is a share of the matrix's rank
     ),
 )

@@ -159,5 +159,6 @@ MERGE_METHODS = (
         sweep_axes=("alpha",),
         sweep_fixed=("tsv_rank",),
         sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
+        core_space="cores",  # each task keeps a share of the matrix's size
     ),
 )

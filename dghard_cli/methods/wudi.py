@@ -348,5 +348,6 @@ MERGE_METHODS = (
         sweep_axes=("alpha",),
         sweep_fixed=("steps",),
         sweep_ranges={"alpha": ALPHA_SWEEP_RANGE},
+        core_space="lossless",
     ),
 )
