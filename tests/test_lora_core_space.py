@@ -315,3 +315,25 @@ def test_core_space_with_a_full_checkpoint_output_is_refused_by_the_cli(tiny):
     )
     assert r.returncode == 2 and "--core-space" in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("core", [False, True], ids=["factored", "core-space"])
+def test_a_tensor_no_adapter_touches_is_not_read(tiny, monkeypatch, core):
+    """Every method gives BASE back where every fine-tune's tensor is BASE's own, so an adapter
+    output reads none of it (TIES spent 100 s on the bench's untouched 136 M-entry embedding)."""
+    from dghard_cli.io.checkpoint import TensorInfo
+
+    read: list[str] = []
+    raw, span = TensorInfo.read_raw, TensorInfo.read_raw_span
+    monkeypatch.setattr(
+        TensorInfo, "read_raw", lambda self, *a, **k: (read.append(self.name), raw(self, *a, **k))[1]
+    )
+    monkeypatch.setattr(
+        TensorInfo, "read_raw_span", lambda self, *a, **k: (read.append(self.name), span(self, *a, **k))[1]
+    )
+    lora = LoraOutputOptions(core_space=core, rank=None if core else 64)
+    doc = run_merge(tiny, tiny["root"] / f"untouched-{core}", "ties", fts=("a1", "a2"), lora=lora)
+    rec = {r["name"]: r for r in doc["tensors"]}
+    assert rec["model.embed_tokens.weight"]["written_as"] == "unchanged"
+    assert "model.embed_tokens.weight" not in read and "model.layers.0.mlp.up_proj.weight" not in read
+    assert any(".lora_A." in n or "lora_A" in n for n in read)  # the adapters themselves were read

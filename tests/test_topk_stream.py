@@ -98,3 +98,37 @@ def test_degenerate_counts():
     assert StreamingTopK(100, 0, torch.float32).threshold == float("inf")
     with pytest.raises(ValueError):
         StreamingTopK(10, 3, torch.bfloat16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [1, 37, 400, 999])
+def test_ties_at_zero_need_no_exact_magnitude(dtype, k):
+    """A tensor mostly left unchanged (a frozen embedding, a module no adapter touches): every
+    zero entry ties at the threshold. They are exactly 0, so the selection is the reference's
+    (row-major order among them) without asking for a single exact magnitude; before, a float64
+    pass gathered all of them (minutes on a 10^8-entry embedding)."""
+    g = torch.Generator().manual_seed(k)
+    n = 1000
+    b = torch.randn(n, generator=g, dtype=dtype)
+    f = b.clone()
+    changed = torch.randperm(n, generator=g)[:30]
+    f[changed] += torch.randn(30, generator=g, dtype=dtype)
+    mag = (f - b).abs()
+    exact_all = (f.double() - b.double()).abs()
+    want = numpy_topk(mag.double().numpy(), exact_all.numpy(), k)
+
+    def no_exact(pos):
+        raise AssertionError("an exact magnitude was asked for a tie at zero")
+
+    for cuts in ([0, n], [0, 7, 300, 301, 999, n]):
+        s = StreamingTopK(n, k, dtype, cap=0)
+        blocks = list(zip(cuts[:-1], cuts[1:], strict=True))
+        while s.pending:
+            for a, c in blocks:
+                s.observe(mag[a:c].clone(), no_exact, owned=True)
+            s.end_pass()
+        got = torch.cat([s.mask(mag[a:c].contiguous(), no_exact) for a, c in blocks])
+        np.testing.assert_array_equal(got.numpy(), want)
+        assert s.kept == k
+    sel = ties_mod.select_topk(mag, k, no_exact)
+    np.testing.assert_array_equal(ties_mod.selection_mask(mag, sel).numpy(), want)

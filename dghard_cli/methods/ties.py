@@ -117,6 +117,8 @@ def select_topk(magnitude: torch.Tensor, k: int, exact: ExactMagnitudes | None =
     r = k - above
     if r >= equal_pos.numel():
         keep = equal_pos
+    elif float(threshold) == 0.0:  # ties at zero are exactly 0 (a − b = 0 only when a = b)
+        keep = equal_pos[:r]
     else:
         values = exact(equal_pos) if exact is not None else flat[equal_pos.to(flat.device)]
         values = values.to(torch.float64).cpu()

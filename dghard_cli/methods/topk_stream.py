@@ -23,6 +23,12 @@ tensor-sized buffer:
 3. **The mask** of each block in the final pass (blocks in row-major order): ``m > T``, plus
    the equal entries whose exact magnitude is above T64, plus the first remaining ones at T64.
 
+**Ties at zero** need no exact magnitude: the work-dtype magnitude ``|a − b|`` is 0 only when
+``a = b`` (IEEE gradual underflow, torch's default on CPU and CUDA), so every entry at T = 0 has
+exact magnitude 0 and the first r of them in row-major order complete the k. This is the common
+case of a tensor a fine-tune left unchanged (a frozen embedding, a module no LoRA adapter
+touches), where every entry ties: no float64 pass runs over them.
+
 The selection is exactly :func:`select_topk`'s: the same k entries, the same threshold.
 """
 
@@ -112,6 +118,7 @@ class StreamingTopK:
         self._r = 0  # equal entries still to keep
         self._t64: float | None = None  # exact magnitude of the last kept entries (ties)
         self._left = 0  # entries at (T, T64) still to keep, in row-major order
+        self._zero_ties = False  # T = 0: the entries at T are exactly 0 (no exact magnitudes needed)
         self.kept = 0
         self._min = float("inf")  # k = numel: the smallest magnitude (the threshold), seen by mask()
 
@@ -152,6 +159,9 @@ class StreamingTopK:
             self.above, self.equal, self._r = v.above, v.equal, v.need
             if self._r >= self.equal:  # every entry at T is kept: no tie to break
                 self._t64 = None
+                self.stage = "done"
+            elif self.threshold_key == 0:  # ties at zero: all exactly 0, row-major order decides
+                self._t64, self._left, self._zero_ties = 0.0, self._r, True
                 self.stage = "done"
             elif self.equal <= self.cap:
                 self._gather = []
@@ -210,6 +220,13 @@ class StreamingTopK:
             m = keys >= t
         else:
             m = keys > t
+            if self._zero_ties:
+                if self._left > 0:
+                    take = torch.nonzero(keys == t).reshape(-1)[: self._left]
+                    self._left -= int(take.numel())
+                    m[take] = True
+                self.kept += int(torch.count_nonzero(m))
+                return m.reshape(mag.shape)
             at_t = torch.nonzero(keys == t).reshape(-1)
             if at_t.numel():
                 ex = exact(at_t).to(torch.float64).to(at_t.device)
