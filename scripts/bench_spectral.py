@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Peak RSS and wall time of the spectral merges (TSV-M, Iso-C, Iso-CTS, STAR, CART) against TIES at 0.5B shapes.
+"""Peak RSS and wall time of the spectral merges (TSV-M, Iso-C, Iso-CTS, STAR, CART, WUDI, SVC) against TIES at 0.5B shapes.
 
 Generates, with ``scripts/bench_cpu.py``'s generator, a Qwen2.5-0.5B-shaped bf16 base and three
 fine-tunes (``--layers`` decoder layers, the full 151936 × 896 tied embedding), then runs, each
 in its own process under ``/usr/bin/time -v``::
 
     dghard merge --method ties --density 0.2 BASE FT FT2 FT3 --out ...
-    dghard merge --method tsv | iso-c | iso-cts | star | cart BASE FT FT2 FT3 --out ...
+    dghard merge --method tsv | iso-c | iso-cts | star | cart | wudi BASE FT FT2 FT3 --out ...
+    dghard merge --method ties --density 0.2 --calibrate svc BASE FT FT2 FT3 --out ...
 
 and prints one markdown table (wall, peak RSS). The checkpoints are deleted at the end unless
 ``--keep``.
@@ -50,8 +51,10 @@ def main() -> None:
             ("iso-cts", []),
             ("star", []),
             ("cart", []),
+            ("wudi", []),
+            ("ties", ["--density", str(args.density), "--calibrate", "svc"]),
         ):
-            out = work / f"out_{method}"
+            out = work / f"out_{method}{'_svc' if '--calibrate' in extra else ''}"
             shutil.rmtree(out, ignore_errors=True)
             cmd = [sys.executable, "-m", "dghard_cli", "merge", "--method", method, *extra, *models]
             r = timed([*cmd, "--out", str(out), "--device", "cpu", "-q"], env)
