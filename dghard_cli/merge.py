@@ -165,6 +165,19 @@ def _make_op(method: str, p: dict, opts: MergeOptions, recall_w, device):
     return registry.methods()[method].make_op(p, registry.BuildContext(opts, device, recall_w))
 
 
+def _computed_jobs(plan, fts: list[Checkpoint], output: AdapterOutput) -> list:
+    """The jobs whose full tensors the run computes, for the checks made before writing: an
+    adapter output skips the tensors no adapter touches, and ``--core-space`` merges the LoRA
+    modules on their small cores."""
+    if output.format != "peft":
+        return plan.jobs
+    jobs = [j for j in plan.jobs if not (j.base is not None and j.fts and all(f is j.base for f in j.fts))]
+    if output.core_kind is not None:
+        modules = {m for f in fts for m in getattr(f, "modules", {})}
+        jobs = [j for j in jobs if not (j.name.endswith(".weight") and j.name[: -len(".weight")] in modules)]
+    return jobs
+
+
 def _core_route(kind: str, opts: MergeOptions, op_maker) -> dict:
     """``--core-space``: the method's operation for cores, and which modules it merges.
 
@@ -241,12 +254,13 @@ def merge(
                 "do not compute: write a full checkpoint (--format full)"
             )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
+        computed = _computed_jobs(plan, ft_cks, output)
         if "calibrate" in p:  # SVC's float64 SVDs of whole matrices: refused before anything is written
             from dghard_cli.engine.working_memory import check_dense_svd
             from dghard_cli.methods.subspace import matrix_rule
 
             check_dense_svd(
-                plan.jobs,
+                computed,
                 n_fts=len(ft_cks),
                 is_matrix=matrix_rule(opts.policy),
                 what="--calibrate svc",
@@ -254,7 +268,7 @@ def merge(
             )
         check_plan = registry.methods()[method].check_plan
         if check_plan is not None:
-            check_plan(p, plan.jobs, len(ft_cks), opts.policy, resolve_device(opts.run.device))
+            check_plan(p, computed, len(ft_cks), opts.policy, resolve_device(opts.run.device))
         _check_dtypes(ft_cks)
         strengths = bind_schedule(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}

@@ -133,11 +133,20 @@ def np_basis(x: np.ndarray) -> np.ndarray:
     return u[:, : int(np.sum(s > 1e-6 * s[0]))]
 
 
+def np_balanced(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(U √S, √S Vᵀ)`` from the SVD of the update ``L R`` itself."""
+    u, s, vt = np.linalg.svd(left @ right, full_matrices=False)
+    r = left.shape[1]
+    return u[:, :r] * np.sqrt(s[:r]), np.sqrt(s[:r])[:, None] * vt[:r]
+
+
 def np_core_merge(pairs, merge_cores) -> np.ndarray:
-    """The update of ``merge_cores`` run on the cores of ``pairs`` [(L_i, R_i)] (numpy, float64)."""
-    u = np_basis(np.concatenate([p[0] for p in pairs], axis=1))
-    v = np_basis(np.concatenate([p[1] for p in pairs], axis=0).T)
-    cores = [(u.T @ left) @ (right @ v) for left, right in pairs]
+    """The update of ``merge_cores`` run on the cores of ``pairs`` [(L_i, R_i)] (numpy, float64):
+    bases from the stacked balanced factors of each update, cores ``Uᵀ ΔW_i V``."""
+    balanced = [np_balanced(left, right) for left, right in pairs]
+    u = np_basis(np.concatenate([p[0] for p in balanced], axis=1))
+    v = np_basis(np.concatenate([p[1] for p in balanced], axis=0).T)
+    cores = [u.T @ (left @ right) @ v for left, right in pairs]
     return u @ merge_cores(cores) @ v.T
 
 
@@ -162,11 +171,12 @@ def test_every_update_is_exact_in_the_core_space():
     pairs.append((np.zeros((m, 2)), g.normal(size=(2, n))))  # a zero update (B = 0)
     space = core_space([torch.from_numpy(p[0]) for p in pairs], [torch.from_numpy(p[1]) for p in pairs])
     u, v = space.left.numpy(), space.right.numpy()
-    assert space.shape == (8, 10)  # rank of [L_1 … L_T] (the zero B adds none), of [R_1; …; R_T]
+    # rank of the stacked balanced factors: a zero update (B = 0) adds no direction on either side
+    assert space.shape == (8, 8)
     np.testing.assert_allclose(u.T @ u, np.eye(8), atol=1e-12)
-    np.testing.assert_allclose(v.T @ v, np.eye(10), atol=1e-12)
+    np.testing.assert_allclose(v.T @ v, np.eye(8), atol=1e-12)
     for (left, right), c in zip(pairs, space.cores, strict=True):
-        assert c.shape == (8, 10)
+        assert c.shape == (8, 8)
         np.testing.assert_allclose(
             u @ c.numpy() @ v.T, left @ right, atol=1e-12 * (1 + np.abs(left @ right).max())
         )
@@ -337,3 +347,81 @@ def test_a_tensor_no_adapter_touches_is_not_read(tiny, monkeypatch, core):
     assert rec["model.embed_tokens.weight"]["written_as"] == "unchanged"
     assert "model.embed_tokens.weight" not in read and "model.layers.0.mlp.up_proj.weight" not in read
     assert any(".lora_A." in n or "lora_A" in n for n in read)  # the adapters themselves were read
+
+
+def test_a_rank_one_total_merges_its_one_by_k_core(tiny):
+    """An elementwise method merges a 1 x k core like any other (it used to fall back to the full
+    tensors, where TIES is full-rank); a lossless one takes the full tensors' rank-1 result."""
+    root = tiny["root"]
+    r1 = make_adapter(tiny["base"], root / "r1", 7, r=1, lora_alpha=2, target_modules=["q_proj"])
+    doc = merge(
+        tiny["base"],
+        [r1],
+        root / "r1-ties",
+        MergeOptions(method="ties", lora=LoraOutputOptions(core_space=True)),
+    )
+    q = [r for r in doc["tensors"] if r["name"].endswith("q_proj.weight")]
+    assert q and all(r["factor_route"] == "core-space" and r["rank"] == 1 for r in q)
+    assert doc["adapter"]["exact"] is True
+    got = adapter_delta(root / "r1-ties")
+    for name, (left, right) in adapter_factors(r1).items():
+        ref = np_core_merge(
+            [(left, right)], lambda cores: M.ref_ties(np.zeros_like(cores[0]), cores, [1.0], 0.2, 1.0)
+        )
+        assert rel(got[name], ref) < 1e-6, name
+
+
+def test_the_split_of_scale_between_b_and_a_does_not_matter(tiny):
+    """B·1e-7 and A·1e7 is the same update: the bases come from balanced factors, so the merge is
+    the same (task arithmetic through the core space equalled the full merge only to 0.97 before)."""
+    import shutil
+
+    from safetensors.numpy import save_file
+
+    root = tiny["root"]
+    skewed = root / "a2-skewed"
+    shutil.copytree(tiny["a2"], skewed, dirs_exist_ok=True)
+    t = load_file(str(skewed / "adapter_model.safetensors"))
+    t = {
+        k: (v * 1e-7 if "lora_B" in k else v * 1e7 if "lora_A" in k else v).astype(v.dtype)
+        for k, v in t.items()
+    }
+    save_file(t, str(skewed / "adapter_model.safetensors"), metadata={"format": "pt"})
+    for fts in ((tiny["a1"], tiny["a2"]), (tiny["a1"], skewed)):
+        tag = fts[1].name
+        merge(
+            tiny["base"],
+            list(fts),
+            root / f"gauge-{tag}",
+            MergeOptions(lora=LoraOutputOptions(core_space=True)),
+        )
+    a, b = adapter_delta(root / "gauge-a2"), adapter_delta(root / "gauge-a2-skewed")
+    for k in a:
+        assert rel(b[k], a[k]) < 1e-6, k
+
+
+def test_a_whole_copy_of_a_module_another_adapter_adapts_is_refused(tiny):
+    root = tiny["root"]
+    head = make_adapter(tiny["base"], root / "head-lora", 8, r=2, lora_alpha=4, target_modules=["lm_head"])
+    mts = make_adapter(
+        tiny["base"],
+        root / "head-mts",
+        9,
+        r=2,
+        lora_alpha=4,
+        target_modules=["q_proj"],
+        modules_to_save=["lm_head"],
+    )
+    with torch.no_grad():  # modules_to_save copies start as BASE's values: change them, as training would
+        from safetensors.numpy import save_file
+
+        t = load_file(str(mts / "adapter_model.safetensors"))
+        t = {k: (v + 0.01).astype(v.dtype) if "lm_head" in k else v for k, v in t.items()}
+        save_file(t, str(mts / "adapter_model.safetensors"), metadata={"format": "pt"})
+    out = root / "refused-mts"
+    opts = MergeOptions(lora=LoraOutputOptions(core_space=True))
+    with pytest.raises(
+        InputError, match="stores a whole copy of 'lm_head', which an adapter adapts with LoRA"
+    ):
+        merge(tiny["base"], [head, mts], out, opts)
+    assert not out.exists()

@@ -41,6 +41,11 @@ class RouteContext:
     #: ``--core-space``: which LoRA modules the core-space route merges
     #: (:mod:`~dghard_cli.lora.route_core`); None: no core space
     core_rule: Callable[[TensorJob], bool] | None = None
+    #: ``--core-space``: the method's MergeMethod.core_space ("lossless" or "cores")
+    core_kind: str | None = None
+    #: the factored route writes nothing for (and reads nothing of) a tensor every fine-tune
+    #: shares with BASE (a merge: every method gives BASE back there)
+    skip_untouched: bool = False
 
 
 def input_ranks(fts: Sequence[Checkpoint]) -> dict[str, int]:

@@ -194,14 +194,21 @@ def lossy_message(account: dict, records: list[dict], cap_description: str) -> s
     )
 
 
-def _same_tensor(a, b) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and torch.equal(a.read_raw(), b.read_raw())
+def _same_values(a, b) -> bool:
+    """Two stored tensors hold the same values (in any floating dtypes)."""
+    if tuple(a.shape) != tuple(b.shape):
+        return False
+    if a.dtype == b.dtype:
+        return torch.equal(a.read_raw(), b.read_raw())
+    return torch.equal(a.read().to(torch.float64), b.read().to(torch.float64))
 
 
-def core_blocker(ft: Checkpoint, base: Checkpoint) -> str | None:
-    """Why an adapter cannot be merged in the core space (None: it can): its update must be
-    exactly ``s·B·A`` on BASE's weight, so DoRA, ``lora_bias`` and a replaced base weight cannot
-    (PEFT's copy of an embedding it adapts, ``save_embedding_layers``, is fine when it is BASE's)."""
+def core_blocker(ft: Checkpoint, base: Checkpoint, lora_modules: set[str]) -> str | None:
+    """Why an adapter cannot be merged in the core space (None: it can): every update of a
+    module some adapter adapts (``lora_modules``) must be exactly ``s·B·A`` on BASE's weight, so
+    DoRA, ``lora_bias``, and a whole weight an adapter stores for such a module (a replaced base
+    weight, a ``modules_to_save`` copy) cannot, unless it holds BASE's values (PEFT's copy of an
+    embedding it adapts, ``save_embedding_layers``)."""
     if not isinstance(ft, AdapterCheckpoint):
         return None
     for m, d in ft.modules.items():
@@ -209,11 +216,13 @@ def core_blocker(ft: Checkpoint, base: Checkpoint) -> str | None:
             return f"{ft.source} is a DoRA adapter (module {m!r}), whose update is not a product B·A"
         if d.b_bias is not None:
             return f"module {m!r} of {ft.source} has lora_bias, which the cores do not hold"
-        own = ft.full.get(d.weight_name)
-        if own is not None and not (
-            d.weight_name in base.tensors and _same_tensor(own, base.tensors[d.weight_name])
-        ):
-            return f"{ft.source} replaces the base weight of {m!r} (base_layer.weight)"
+    for name, own in ft.full.items():
+        module = name[: -len(".weight")] if name.endswith(".weight") else None
+        if module not in lora_modules:
+            continue
+        if name not in base.tensors or not _same_values(own, base.tensors[name]):
+            how = "replaces the base weight of" if module in ft.modules else "stores a whole copy of"
+            return f"{ft.source} {how} {module!r}, which an adapter adapts with LoRA"
     return None
 
 
@@ -341,13 +350,14 @@ class AdapterOutput:
         """The core-space kind, once ``--core-space`` is known to apply to this run."""
         if self.command != "merge":
             raise InputError("--core-space merges several LoRA adapters: it is an option of `dghard merge`")
+        lora_modules = {m for f in fts if isinstance(f, AdapterCheckpoint) for m in f.modules}
         for f in fts:
             if not is_adapter(f):
                 raise InputError(
                     f"--core-space merges LoRA adapters in their shared core space, and {f.source} is a full "
                     "checkpoint; drop --core-space"
                 )
-            blocked = core_blocker(f, self.base)
+            blocked = core_blocker(f, self.base, lora_modules)
             if blocked is not None:
                 raise InputError(f"--core-space: {blocked}; merge without --core-space")
         if kind is None:  # merge() names the methods that can
@@ -450,6 +460,8 @@ class AdapterOutput:
             layer_strengths=layer_strengths,
             input_ranks=input_ranks(fts),
             core_rule=core_rule,
+            core_kind=self.core_kind,
+            skip_untouched=self.command == "merge",
         )
         written: dict = {}  # the report document, once documents() has built it
         timings: dict = {}

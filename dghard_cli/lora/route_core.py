@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING
+from dghard_cli.architecture import OUTPUT_HEAD, POSITION_TABLE, VOCAB_EMBEDDING
 from dghard_cli.engine.ops import JobInputs, TensorOp, base_record
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.runner import RunOptions
@@ -71,6 +71,7 @@ def core_unit(
         or not job.runs_method
         or not job.name.endswith(".weight")
         or len(job.shape) != 2
+        or POSITION_TABLE.search(job.name)  # PEFT takes no LoRA of it: written whole (factored route)
     ):
         return None
     module = job.name[: -len(".weight")]
@@ -82,7 +83,12 @@ def core_unit(
     pairs = [_factors(f, module, shape) for f in fts]
     space = core_space([p[0] for p in pairs], [p[1] for p in pairs])
     k = space.shape
-    if min(k) < 2:  # a rank-1 total: the method's matrix rule would not see a matrix
+    if min(k) == 0:  # every update is zero
+        return None
+    if min(k) < 2 and ctx.core_kind == "lossless":
+        # a rank-1 total: a spectral method's matrix rule would not see a matrix in the core, so
+        # the full tensors give its result (rank 1, written exactly); an elementwise method merges
+        # the 1 x k core as any other
         return None
     zero = torch.zeros(k, dtype=torch.float64)
     core_job = dataclasses.replace(

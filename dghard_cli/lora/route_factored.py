@@ -184,7 +184,7 @@ def _factored_unit(
         got = core_unit(ctx, job, core_op, run, model_type)
         if got is not None:
             return got
-    if job.base is not None and job.fts and all(f is job.base for f in job.fts):
+    if ctx.skip_untouched and job.base is not None and job.fts and all(f is job.base for f in job.fts):
         # no adapter touches it (each fine-tune's tensor is BASE's own): every method gives BASE
         # back, so nothing is read (TIES spent 100 s on the bench's 136 M-entry embedding)
         rec = base_record(job)

@@ -7,6 +7,11 @@ updates. Each update is a product ``Δ_i = L_i R_i`` (``L_i`` is ``m x r_i``, ``
 - ``U``: the left singular vectors of the stacked ``[L_1 … L_T]`` (``m x k_L``, its numerical rank),
 - ``V``: the right singular vectors of the stacked ``[R_1; …; R_T]`` (``n x k_R``),
 
+each pair first **balanced** (:func:`balance`: ``L_i = U_i √S_i``, ``R_i = √S_i V_iᵀ`` from the SVD of
+``L_i R_i``), so the bases depend on the updates alone, not on how an adapter splits its scale
+between B and A, and a small adapter's directions are not lost beside a large one's (its
+factors scale as the square root of its update);
+
 every update lies in ``span(U) x span(V)``: ``Δ_i = U M_i Vᵀ`` exactly, with the core
 ``M_i = (Uᵀ L_i)(R_i V)`` (``k_L x k_R``, ``k ≤ Σ r_i``). A merge then runs on the cores and its
 result ``M`` is the update ``U M Vᵀ``, written as LoRA factors (:func:`core_factors`).
@@ -54,12 +59,26 @@ def _basis(x: torch.Tensor) -> torch.Tensor:
     return u[:, :k].contiguous()
 
 
+def balance(left: torch.Tensor, right: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(U √S, √S Vᵀ)`` from the SVD ``L R = U S Vᵀ``, every one of its ``r`` directions kept,
+    without forming ``L R`` (thin QR of ``L`` and ``Rᵀ``, SVD of the ``r x r`` product of their
+    triangles)."""
+    if left.shape[1] == 0:
+        return left, right
+    qb, rb = torch.linalg.qr(left)
+    qa, ra = torch.linalg.qr(right.T)
+    u, sig, vh = torch.linalg.svd(rb @ ra.T)
+    root = torch.sqrt(sig)
+    return (qb @ u) * root, (root.unsqueeze(1) * (vh @ qa.T)).contiguous()
+
+
 def core_space(lefts: Sequence[torch.Tensor], rights: Sequence[torch.Tensor]) -> CoreSpace:
     """The core space of the updates ``L_i R_i`` (float64; a zero update has a zero core)."""
     if len(lefts) != len(rights) or not lefts:
         raise ValueError("core_space needs one right factor per left factor, at least one")
-    ls = [x.to(torch.float64) for x in lefts]
-    rs = [x.to(torch.float64) for x in rights]
+    pairs = [balance(x.to(torch.float64), y.to(torch.float64)) for x, y in zip(lefts, rights, strict=True)]
+    ls = [p[0] for p in pairs]
+    rs = [p[1] for p in pairs]
     u = _basis(torch.cat(ls, dim=1))
     v = _basis(torch.cat(rs, dim=0).T)
     cores = [(u.T @ x) @ (y @ v) for x, y in zip(ls, rs, strict=True)]
