@@ -425,3 +425,19 @@ def test_a_whole_copy_of_a_module_another_adapter_adapts_is_refused(tiny):
     ):
         merge(tiny["base"], [head, mts], out, opts)
     assert not out.exists()
+
+
+def test_checks_before_writing_count_only_the_tensors_merged_in_full(tiny, monkeypatch):
+    """STAR's dense-SVD working set was checked on every matrix, the untouched lm_head included, so
+    `--core-space` was refused on a machine that fits every core; the full-checkpoint merge, which
+    does compute that lm_head, is still refused there."""
+    import dghard_cli.engine.working_memory as wm
+
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 300_000)  # < one 64 x 64 dense SVD
+    root = tiny["root"]
+    doc = run_merge(tiny, root / "small-machine-core", "star", fts=("a1", "a2"))
+    assert doc["adapter"]["exact"] is True
+    out = root / "small-machine-full"
+    with pytest.raises(InputError, match="lm_head"):
+        run_merge(tiny, out, "star", fts=("a1", "a2"), lora=LoraOutputOptions(merge=True))
+    assert not out.exists()
