@@ -171,7 +171,7 @@ def _computed_jobs(plan, fts: list[Checkpoint], output: AdapterOutput) -> list:
     modules on their small cores."""
     if output.format != "peft":
         return plan.jobs
-    jobs = [j for j in plan.jobs if not (j.base is not None and j.fts and all(f is j.base for f in j.fts))]
+    jobs = [j for j in plan.jobs if not j.untouched]
     if output.core_kind is not None:
         modules = {m for f in fts for m in getattr(f, "modules", {})}
         jobs = [j for j in jobs if not (j.name.endswith(".weight") and j.name[: -len(".weight")] in modules)]

@@ -63,6 +63,12 @@ class TensorJob:
     def runs_method(self) -> bool:
         return self.action in ("method", "resized", "scaled")  # scaled: W_base + λ·Δ (a schedule)
 
+    @property
+    def untouched(self) -> bool:
+        """Every fine-tune's tensor is BASE's own (a module no LoRA adapter adapts): every merge
+        gives BASE back."""
+        return self.base is not None and bool(self.fts) and all(f is self.base for f in self.fts)
+
 
 @dataclass
 class Plan:

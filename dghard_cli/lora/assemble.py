@@ -17,9 +17,10 @@ import torch
 from dghard_cli.architecture import OUTPUT_HEAD, VOCAB_EMBEDDING, loaded_module_name
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint, TensorInfo
+from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.lora.adapter import PEFT_PREFIX
 from dghard_cli.lora.context import RouteContext
-from dghard_cli.lora.source import AdapterCheckpoint
+from dghard_cli.lora.source import CONV1D_MODEL_TYPES, AdapterCheckpoint
 from dghard_cli.lora.writer import (
     AdapterStage,
     adapter_config,
@@ -227,3 +228,28 @@ def _transposed_view(info: TensorInfo) -> TensorInfo:
 
 def _slice(t: torch.Tensor, rows: tuple[int, int] | None) -> torch.Tensor:
     return (t if rows is None else t[rows[0] : rows[1]]).to(torch.float64)
+
+
+def lora_factors(
+    ctx: RouteContext, name: str, fac, rec: dict, model_type: str | None
+) -> dict[str, torch.Tensor]:
+    """A module's update ``Δ = fac.left @ fac.right`` as PEFT's ``A`` and ``B`` (transposed for
+    embeddings and Conv1D layers) in the factors' dtype; its record says how (both routes)."""
+    embedding = bool(VOCAB_EMBEDDING.search(name))
+    transposed = embedding or (model_type in CONV1D_MODEL_TYPES and not OUTPUT_HEAD.search(name))
+    a, b = (fac.left.T, fac.right.T) if transposed else (fac.right, fac.left)
+    dt = torch_dtype(ctx.factor_dtype)
+    rec.update(
+        {
+            "written_as": "lora",
+            "embedding": embedding,
+            "transposed": transposed,
+            "rank": fac.rank,
+            "lora": fac.stats(),
+            "energy_lost": fac.energy_lost,
+            # exact: every numerically resolved direction of Δ* is kept
+            "exact": fac.rank >= fac.numerical_rank,
+            "update_energy": fac.fro2,
+        }
+    )
+    return {"A": a.contiguous().to(dt), "B": b.contiguous().to(dt)}

@@ -23,15 +23,15 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.architecture import OUTPUT_HEAD, POSITION_TABLE, VOCAB_EMBEDDING
+from dghard_cli.architecture import POSITION_TABLE
 from dghard_cli.engine.ops import JobInputs, TensorOp, base_record
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import TensorInfo
-from dghard_cli.io.safetensors_format import torch_dtype
+from dghard_cli.lora.assemble import lora_factors
 from dghard_cli.lora.context import RouteContext
-from dghard_cli.lora.source import CONV1D_MODEL_TYPES, AdapterCheckpoint
+from dghard_cli.lora.source import AdapterCheckpoint
 from dghard_cli.spectral.core_space import core_factors, core_space
 
 
@@ -123,23 +123,8 @@ def core_unit(
         rec["written_as"] = "unchanged"
         rec["seconds"] = round(time.perf_counter() - t0, 6)
         return rec, {}
-    embedding = bool(VOCAB_EMBEDDING.search(job.name))
-    transposed = embedding or (model_type in CONV1D_MODEL_TYPES and not OUTPUT_HEAD.search(job.name))
-    a, b = (fac.left.T, fac.right.T) if transposed else (fac.right, fac.left)
-    dt = torch_dtype(ctx.factor_dtype)
-    rec.update(
-        {
-            "written_as": "lora",
-            "embedding": embedding,
-            "transposed": transposed,
-            "rank": fac.rank,
-            "lora": fac.stats(),
-            "energy_lost": fac.energy_lost,
-            "exact": fac.rank >= fac.numerical_rank,
-            "update_energy": fac.fro2,
-        }
-    )
     if not math.isfinite(fac.fro2):
         raise InputError(f"--core-space: the update of {module!r} overflows float64")
+    tensors = lora_factors(ctx, job.name, fac, rec, model_type)
     rec["seconds"] = round(time.perf_counter() - t0, 6)
-    return rec, {"A": a.contiguous().to(dt), "B": b.contiguous().to(dt)}
+    return rec, tensors

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.architecture import OUTPUT_HEAD, POSITION_TABLE, VOCAB_EMBEDDING
+from dghard_cli.architecture import POSITION_TABLE
 from dghard_cli.engine.ops import JobInputs, TensorOp, base_record, passthrough
 from dghard_cli.engine.pipeline import EngineOptions
 from dghard_cli.engine.plan import Plan, TensorJob
@@ -33,9 +33,9 @@ from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import FileReader
 from dghard_cli.io.safetensors_format import torch_dtype
+from dghard_cli.lora.assemble import lora_factors
 from dghard_cli.lora.context import RouteContext
 from dghard_cli.lora.route_core import core_unit
-from dghard_cli.lora.source import CONV1D_MODEL_TYPES
 from dghard_cli.lora.writer import (
     SPOOL_PREFIX,
     AdapterStage,
@@ -184,7 +184,7 @@ def _factored_unit(
         got = core_unit(ctx, job, core_op, run, model_type)
         if got is not None:
             return got
-    if ctx.skip_untouched and job.base is not None and job.fts and all(f is job.base for f in job.fts):
+    if ctx.skip_untouched and job.untouched:
         # no adapter touches it (each fine-tune's tensor is BASE's own): every method gives BASE
         # back, so nothing is read (TIES spent 100 s on the bench's 136 M-entry embedding)
         rec = base_record(job)
@@ -252,27 +252,9 @@ def _factored_unit(
             fac = fac[0]
             m, n = shape
             if fac.rank and (fac.rank * (m + n) < m * n or cap is not None):
-                embedding = bool(VOCAB_EMBEDDING.search(job.name))
-                transposed = embedding or (
-                    model_type in CONV1D_MODEL_TYPES and not OUTPUT_HEAD.search(job.name)
-                )
-                a, b = (fac.left.T, fac.right.T) if transposed else (fac.right, fac.left)
-                dt = torch_dtype(ctx.factor_dtype)
-                rec.update(
-                    {
-                        "written_as": "lora",
-                        "embedding": embedding,
-                        "transposed": transposed,
-                        "rank": fac.rank,
-                        "lora": fac.stats(),
-                        "energy_lost": fac.energy_lost,
-                        # exact: every numerically resolved direction of Δ* is kept
-                        "exact": fac.rank >= fac.numerical_rank,
-                        "update_energy": fac.fro2,
-                    }
-                )
+                tensors = lora_factors(ctx, job.name, fac, rec, model_type)
                 rec["seconds"] = round(time.perf_counter() - t0, 6)
-                return rec, {"A": a.contiguous().to(dt), "B": b.contiguous().to(dt)}
+                return rec, tensors
         if value is None:  # written whole after all: W* = W_base + Δ*, to float32 rounding of Δ*
             value = torch.empty(shape, dtype=out_dt)
             r = 0
