@@ -24,15 +24,16 @@ import os as _os
 # setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import sys as _sys  # noqa: E402
 from importlib import import_module as _import_module  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402
-from types import ModuleType as _ModuleType  # noqa: E402
 from typing import TYPE_CHECKING as _TYPE_CHECKING  # noqa: E402
 
 from dghard_cli._version import __version__  # noqa: E402
 
-#: where each public name is defined. Nothing is imported until a name is used (PEP 562), so
+#: where each public name is defined. No submodule shares a name with a public function
+#: (``repairing``, ``merging``, ``sweeping``, ``scoring`` hold ``repair``, ``merge``, ``sweep``
+#: and ``score``), so importing a submodule never hides a function. Nothing is imported until a
+#: name is used (PEP 562), so
 #: ``import dghard_cli`` -- and ``dghard --version`` or ``--help`` -- loads neither torch nor
 #: numpy; ``from dghard_cli import repair`` imports the repair stack then.
 _EXPORTS = {
@@ -46,14 +47,14 @@ _EXPORTS = {
     "Interrupted": "dghard_cli.errors",
     "RuntimeFailure": "dghard_cli.errors",
     "InspectOptions": "dghard_cli.inspection",
-    "MergeOptions": "dghard_cli.merge",
-    "merge": "dghard_cli.merge",
+    "MergeOptions": "dghard_cli.merging",
+    "merge": "dghard_cli.merging",
     "RecallOptions": "dghard_cli.methods.calibration",
-    "RepairOptions": "dghard_cli.repair",
-    "repair": "dghard_cli.repair",
+    "RepairOptions": "dghard_cli.repairing",
+    "repair": "dghard_cli.repairing",
     "ShrinkSpec": "dghard_cli.spectral.spectrum",
-    "SweepOptions": "dghard_cli.sweep.run",
-    "sweep": "dghard_cli.sweep.run",
+    "SweepOptions": "dghard_cli.sweeping.run",
+    "sweep": "dghard_cli.sweeping.run",
 }
 
 if _TYPE_CHECKING:  # what static tools see; at run time each name is imported on first use
@@ -62,11 +63,11 @@ if _TYPE_CHECKING:  # what static tools see; at run time each name is imported o
     from dghard_cli.engine.runner import RunOptions
     from dghard_cli.errors import CheckFailed, DGHardError, InputError, Interrupted, RuntimeFailure
     from dghard_cli.inspection import InspectOptions
-    from dghard_cli.merge import MergeOptions, merge
+    from dghard_cli.merging import MergeOptions, merge
     from dghard_cli.methods.calibration import RecallOptions
-    from dghard_cli.repair import RepairOptions, repair
+    from dghard_cli.repairing import RepairOptions, repair
     from dghard_cli.spectral.spectrum import ShrinkSpec
-    from dghard_cli.sweep.run import SweepOptions, sweep
+    from dghard_cli.sweeping.run import SweepOptions, sweep
 
 
 def __getattr__(name: str):
@@ -108,7 +109,7 @@ def score(base: str | _Path, ft: str | _Path, candidates: list[str], **options) 
         doc = score("eval/base.json", "eval/ft.json", ["repaired=eval/repaired.json"], targets=["gsm8k"])
         print(doc["best"])
     """
-    from dghard_cli.score.scoring import score_files
+    from dghard_cli.scoring.run import score_files
 
     return score_files(base, ft, candidates, **options)
 
@@ -159,18 +160,3 @@ __all__ = [
     "RuntimeFailure",
     "Interrupted",
 ]
-
-
-class _Package(_ModuleType):
-    """This package's module object. Importing a submodule binds it on its package under its
-    own name, and four public functions share a name with one (``repair``, ``merge``,
-    ``sweep``, ``score``): the function keeps the name (``dghard_cli.repair`` is the function
-    however much of the package is loaded; the submodule stays in ``sys.modules``)."""
-
-    def __setattr__(self, name: str, value: object) -> None:
-        if name in __all__ and isinstance(value, _ModuleType) and value.__name__ == f"{__name__}.{name}":
-            return
-        super().__setattr__(name, value)
-
-
-_sys.modules[__name__].__class__ = _Package

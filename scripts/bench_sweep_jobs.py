@@ -124,7 +124,7 @@ def main() -> int:
             [py, "-m", "dghard_cli", "repair", str(TINY / "base"), str(TINY / "ft"), str(work / "one-write")],
             env,
         )
-        wall_i, rss_i, _ = timed([py, "-c", "import torch, dghard_cli.repair"], env)
+        wall_i, rss_i, _ = timed([py, "-c", "import torch, dghard_cli.repairing"], env)
         write_kib = max(0, rss_w - rss_i)
         base_label, base_wall, base_rss, base_doc = results[0]
         print(

@@ -442,7 +442,7 @@ def execute(root: Path) -> None:
     if plan["target"] in ("adapter-out", "adapter-full"):
         from dghard_cli.engine.runner import RunOptions
         from dghard_cli.lora.output import LoraOutputOptions
-        from dghard_cli.merge import MergeOptions, merge
+        from dghard_cli.merging import MergeOptions, merge
 
         lora = LoraOutputOptions(merge=plan["target"] == "adapter-full")
         opts = MergeOptions("wise-ft", alpha=0.5, lora=lora, run=RunOptions(report_path=plan["report"]))
@@ -450,7 +450,7 @@ def execute(root: Path) -> None:
         return
     from dghard_cli import repair
     from dghard_cli.engine.runner import RunOptions
-    from dghard_cli.repair import RepairOptions
+    from dghard_cli.repairing import RepairOptions
 
     opts = RepairOptions(run=RunOptions(report_path=plan["report"]))
     repair(root / "base", root / "ft", plan["out"], opts)

@@ -379,7 +379,7 @@ HOSTILE_TEXT = [
 def _candidates_target():
     """The sweep's candidate file: a valid one (families, a merges block with methods of their
     own) mutated by truncation, tags, garbage and hostile values in every key."""
-    from dghard_cli.sweep.candidate_file import load_candidates
+    from dghard_cli.sweeping.candidate_file import load_candidates
 
     valid = (
         "families:\n  - family: hard\n    grid: [1.0, 2.0]\n    range: [0.5, 4.0]\n"
@@ -431,8 +431,8 @@ def _sweep_options_target():
     """The sweep's options: hostile values in a few of them at a time, up to the options' own
     validation (nothing is evaluated): --jobs, --devices, the executor and Ray address, the
     evaluation resources, the lm-eval tasks and arguments, the numbers, --dtype, --units."""
-    from dghard_cli.sweep.lm_eval import LmEvalSpec
-    from dghard_cli.sweep.run import SweepOptions, _Sweep
+    from dghard_cli.sweeping.lm_eval import LmEvalSpec
+    from dghard_cli.sweeping.run import SweepOptions, _Sweep
 
     def prepare(root: Path) -> None:
         pass

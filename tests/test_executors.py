@@ -13,7 +13,7 @@ import pytest
 from executor_jobs import on_error, run_job
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep.executors import LocalExecutor, RayExecutor, parse_resources
+from dghard_cli.sweeping.executors import LocalExecutor, RayExecutor, parse_resources
 
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
@@ -204,7 +204,7 @@ def test_unreachable_address_fails_fast(address):
     t0 = time.monotonic()
     proc = _fresh_python(f"""
         from dghard_cli.errors import InputError
-        from dghard_cli.sweep.executors import RayExecutor
+        from dghard_cli.sweeping.executors import RayExecutor
         try:
             RayExecutor(print, 1, print, address={address!r}, resources={{"CPU": 1.0}})
         except InputError as exc:
@@ -220,7 +220,7 @@ def test_ray_missing_says_how_to_install():
     proc = _fresh_python("""
         import sys
         sys.modules["ray"] = None
-        from dghard_cli.sweep.executors import RayExecutor
+        from dghard_cli.sweeping.executors import RayExecutor
         RayExecutor(print, 1, print, address=None, resources={})
         """)
     assert "pip install 'dghard[ray]'" in proc.stderr
@@ -266,7 +266,7 @@ def test_ray_private_cluster_is_loopback_and_closed():
     proc = _fresh_python("""
         import ray
         from executor_jobs import on_error, run_job
-        from dghard_cli.sweep.executors import RayExecutor
+        from dghard_cli.sweeping.executors import RayExecutor
         ex = RayExecutor(run_job, 2, on_error, address=None, resources={"CPU": 1.0})
         h = ex.submit(("square", 6), {})
         print("RESULT", ex.wait([h], timeout=60)[0][1][0])
@@ -284,7 +284,7 @@ def test_ray_private_cluster_is_loopback_and_closed():
 )
 def test_a_url_of_another_scheme_is_refused_before_anything_connects(address):
     """A pasted dashboard URL was looked up as a host named 'http' ("cannot resolve host")."""
-    from dghard_cli.sweep.executors import _probe, check_address_form
+    from dghard_cli.sweeping.executors import _probe, check_address_form
 
     for fn in (check_address_form, _probe):
         with pytest.raises(InputError, match=r"is not a Ray address.*HOST:PORT"):
@@ -296,7 +296,7 @@ def test_a_service_that_is_not_ray_is_refused_within_seconds():
     import socket
     import threading
 
-    from dghard_cli.sweep.executors import _probe
+    from dghard_cli.sweeping.executors import _probe
 
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))
@@ -330,7 +330,7 @@ def test_auto_resolves_ray_address_and_refuses_a_dead_one_fast():
         import os
         os.environ["RAY_ADDRESS"] = "127.0.0.1:1"
         from dghard_cli.errors import InputError
-        from dghard_cli.sweep.executors import RayExecutor
+        from dghard_cli.sweeping.executors import RayExecutor
         try:
             RayExecutor(print, 1, print, address="auto", resources={"CPU": 1.0})
         except InputError as exc:
@@ -345,7 +345,7 @@ def test_auto_resolves_ray_address_and_refuses_a_dead_one_fast():
 
 def test_an_explicit_address_is_the_one_contacted_whatever_ray_address_says(monkeypatch):
     """Ray reads RAY_ADDRESS over the address passed to ray.init: a --ray-address was ignored."""
-    from dghard_cli.sweep import executors
+    from dghard_cli.sweeping import executors
 
     seen = {}
 

@@ -16,8 +16,8 @@ from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io import files, limits
 from dghard_cli.io.lock import OutLock, lock_path
 from dghard_cli.io.paths import Output, check_outputs, check_shard_names
-from dghard_cli.sweep import integrity
-from dghard_cli.sweep.command import Template, build_command
+from dghard_cli.sweeping import integrity
+from dghard_cli.sweeping.command import Template, build_command
 
 
 def _no_block(seconds: float = 5.0):

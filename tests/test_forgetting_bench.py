@@ -9,7 +9,7 @@ from pathlib import Path
 
 from conftest import REPO, run_dghard
 
-from dghard_cli.score.results import load_results
+from dghard_cli.scoring.results import load_results
 
 
 def _bench():

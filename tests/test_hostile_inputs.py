@@ -954,7 +954,7 @@ HOSTILE_NAMES = [
 
 @pytest.mark.parametrize("name", HOSTILE_NAMES)
 def test_c1_command_substitutes_each_placeholder_once_quoted(tmp_path, name):
-    from dghard_cli.sweep.evaluate import fill_template as render
+    from dghard_cli.sweeping.evaluate import fill_template as render
 
     canary = tmp_path / "canary"
     model = tmp_path / name.replace("{canary}", str(canary))

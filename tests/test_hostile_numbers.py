@@ -122,7 +122,7 @@ def test_extreme_finite_scores_are_refused_where_results_are_read(tmp_path, whic
 
 def test_in_memory_scores_have_the_same_bound():
     from dghard_cli.errors import InputError
-    from dghard_cli.score.metrics import score_candidates
+    from dghard_cli.scoring.metrics import score_candidates
 
     with pytest.raises(InputError, match="beyond what any benchmark"):
         score_candidates({"a": 50.0}, {"a": 1.7e308}, {"c": {"a": 40.0}})
@@ -545,7 +545,7 @@ def test_a_merges_block_number_past_float_range_is_not_a_number():
     """parse_block's own number check raised OverflowError on 10**400 (the file reader caught it
     first on the command line; the library's parse_candidates did not)."""
     from dghard_cli.errors import InputError
-    from dghard_cli.sweep.candidate_file import parse_candidates
+    from dghard_cli.sweeping.candidate_file import parse_candidates
 
     for doc in (
         {"families": [{"family": "hard", "grid": [10**400]}]},

@@ -21,7 +21,7 @@ from dghard_cli.engine.plan import PolicyOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.inspection import InspectOptions, inspect_pair
-from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.repairing import RepairOptions, repair
 from dghard_cli.testing.synthetic import ArchConfig, make_pair, write_checkpoint
 
 PNG_SIG = b"\x89PNG\r\n\x1a\n"

@@ -36,7 +36,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from dghard_cli.engine.runner import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
-from dghard_cli.merge import MergeOptions, merge  # noqa: E402
+from dghard_cli.merging import MergeOptions, merge  # noqa: E402
 from dghard_cli.methods import dare as dare_mod  # noqa: E402
 from dghard_cli.spectral.core_space import core_factors, core_space  # noqa: E402
 

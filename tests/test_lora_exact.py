@@ -30,8 +30,8 @@ from dghard_cli.engine.runner import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.io.hub import open_checkpoint  # noqa: E402
 from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
-from dghard_cli.merge import MergeOptions, merge  # noqa: E402
-from dghard_cli.repair import RepairOptions, repair  # noqa: E402
+from dghard_cli.merging import MergeOptions, merge  # noqa: E402
+from dghard_cli.repairing import RepairOptions, repair  # noqa: E402
 from dghard_cli.schedule.spec import parse_lines  # noqa: E402
 from dghard_cli.verification import verify_directory  # noqa: E402
 

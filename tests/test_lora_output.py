@@ -131,7 +131,7 @@ def test_large_updates_spill_to_disk_and_give_the_same_adapter(tmp_path, monkeyp
     import dghard_cli.lora.route_factored as factored
     from dghard_cli.engine.runner import RunOptions
     from dghard_cli.lora.output import LoraOutputOptions
-    from dghard_cli.repair import RepairOptions, repair
+    from dghard_cli.repairing import RepairOptions, repair
     from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
     arch = ArchConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,

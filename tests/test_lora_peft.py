@@ -42,8 +42,8 @@ from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.inspection import InspectOptions, inspect_pair  # noqa: E402
 from dghard_cli.lora.config import KNOWN_KEYS  # noqa: E402
 from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
-from dghard_cli.merge import MergeOptions, merge  # noqa: E402
-from dghard_cli.repair import RepairOptions, repair  # noqa: E402
+from dghard_cli.merging import MergeOptions, merge  # noqa: E402
+from dghard_cli.repairing import RepairOptions, repair  # noqa: E402
 from dghard_cli.spectral.spectrum import ShrinkSpec  # noqa: E402
 
 warnings.filterwarnings("ignore", module="peft")
@@ -565,7 +565,7 @@ Path(output).write_text(json.dumps({"task": 40 + 40 * p, "general": 70 - 30 * q,
 
 
 def test_sweep_takes_an_adapter_and_writes_a_wise_ft_winner_as_an_adapter(bases, tmp_path):
-    from dghard_cli.sweep.run import SweepOptions, sweep
+    from dghard_cli.sweeping.run import SweepOptions, sweep
 
     base = bases["llama"]
     ad = make_adapter(

@@ -19,7 +19,7 @@ from reference import rel
 from dghard_cli.engine.plan import PolicyOptions
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.merge import MergeOptions, merge, resolve_parameters
+from dghard_cli.merging import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import breadcrumbs as bc_mod
 from dghard_cli.methods import della as della_mod
 from dghard_cli.methods import model_stock as ms_mod

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from dghard_cli.score.results import load_results
+from dghard_cli.scoring.results import load_results
 
 
 def _bench():

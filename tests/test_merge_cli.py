@@ -19,7 +19,7 @@ from dghard_cli.cli import app
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
-from dghard_cli.merge import MergeOptions, merge
+from dghard_cli.merging import MergeOptions, merge
 from dghard_cli.methods import dare as dare_mod
 from dghard_cli.recipes.recipe import load_recipe
 from dghard_cli.testing.synthetic import ArchConfig, make_pair

@@ -17,7 +17,7 @@ from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.io.hub import open_checkpoint
-from dghard_cli.merge import MergeOptions, _make_op, merge, merge_eligibility, resolve_parameters
+from dghard_cli.merging import MergeOptions, _make_op, merge, merge_eligibility, resolve_parameters
 from dghard_cli.methods import dare as dare_mod
 from dghard_cli.methods import ties as ties_mod
 from dghard_cli.testing.synthetic import ArchConfig, make_pair

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
-from dghard_cli.merge import MergeOptions, merge
+from dghard_cli.merging import MergeOptions, merge
 from dghard_cli.methods import registry
 from dghard_cli.recipes.recipe import top_keys
 from dghard_cli.schedule.spec import LayerSchedule

@@ -14,7 +14,7 @@ from reference import rel
 
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.merge import MergeOptions, merge
+from dghard_cli.merging import MergeOptions, merge
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=64, intermediate_size=172, num_hidden_layers=2, vocab_size=256)

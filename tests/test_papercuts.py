@@ -80,8 +80,8 @@ def test_nothing_shipped_cites_the_spec_or_files_outside_the_repository():
 
 
 def test_sweep_unit_warnings_name_no_option_sweep_lacks():
-    from dghard_cli.score import scales
-    from dghard_cli.score.results import ResultFile, Score
+    from dghard_cli.scoring import scales
+    from dghard_cli.scoring.results import ResultFile, Score
 
     def rf(name: str, units: dict[str, str]) -> ResultFile:
         scores = {k: Score(50.0, None) for k in units}

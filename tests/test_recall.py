@@ -18,7 +18,7 @@ from reference import rel
 
 from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.merge import MergeOptions, merge
+from dghard_cli.merging import MergeOptions, merge
 from dghard_cli.methods import calibration
 from dghard_cli.methods import recall as R
 from dghard_cli.methods.calibration import RecallOptions, load_pool

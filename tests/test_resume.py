@@ -170,7 +170,7 @@ def test_a_corrupted_journaled_shard_is_recomputed(tmp_path):
     from dghard_cli.engine.runner import fingerprint
     from dghard_cli.io.hub import open_checkpoint
     from dghard_cli.io.output import file_sha256
-    from dghard_cli.repair import repair_parameters
+    from dghard_cli.repairing import repair_parameters
 
     b, f = open_checkpoint(str(base)), open_checkpoint(str(ft))
     plan = build_plan(b, [f], PolicyOptions())
@@ -244,7 +244,7 @@ def test_a_resumed_run_says_so_on_stderr_and_in_the_report(tmp_path):
     from dghard_cli.engine.runner import fingerprint
     from dghard_cli.io.hub import open_checkpoint
     from dghard_cli.io.output import file_sha256
-    from dghard_cli.repair import repair_parameters
+    from dghard_cli.repairing import repair_parameters
     from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
     base, ft = make_pair(

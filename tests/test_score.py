@@ -10,9 +10,9 @@ import pytest
 from conftest import run_dghard
 
 from dghard_cli.errors import InputError
-from dghard_cli.score.metrics import combined_stderr, harmonic_mean, score_candidates
-from dghard_cli.score.results import MetricRule, Score, load_results, read_results
-from dghard_cli.score.scoring import score_files
+from dghard_cli.scoring.metrics import combined_stderr, harmonic_mean, score_candidates
+from dghard_cli.scoring.results import MetricRule, Score, load_results, read_results
+from dghard_cli.scoring.run import score_files
 
 
 def lm_eval_doc(scores: dict[str, tuple], *, model: str = "hf") -> dict:

@@ -7,7 +7,7 @@ import json
 import pytest
 from conftest import run_dghard
 
-from dghard_cli.score.scoring import score_files
+from dghard_cli.scoring.run import score_files
 
 # accuracies as fractions next to a −NLL, as a hand-written {benchmark: score} file has them
 BASE = {"arc": 0.700, "mmlu": 0.600, "hellaswag": 0.550, "wiki_neg_nll": -2.00}

@@ -30,7 +30,7 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 from typer.testing import CliRunner  # noqa: E402
 
 from dghard_cli.cli import app  # noqa: E402
-from dghard_cli.sweep.run import SweepOptions, sweep  # noqa: E402
+from dghard_cli.sweeping.run import SweepOptions, sweep  # noqa: E402
 
 warnings.filterwarnings("ignore", module="peft")
 transformers.logging.set_verbosity_error()
@@ -258,8 +258,8 @@ def test_an_svc_follow_up_of_adapters_is_written_as_the_full_merge(swept):
     ``--merge`` (the full checkpoint), while the same task arithmetic without it stays an adapter."""
     from dghard_cli.io.checkpoint import Checkpoint
     from dghard_cli.lora.source import open_ft
-    from dghard_cli.sweep.candidates import FamilyEntry
-    from dghard_cli.sweep.family_dispatch import make_candidate, writes_adapter
+    from dghard_cli.sweeping.candidates import FamilyEntry
+    from dghard_cli.sweeping.family_dispatch import make_candidate, writes_adapter
 
     root, _, _ = swept
     base = Checkpoint(root / "base", label="BASE")

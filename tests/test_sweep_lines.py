@@ -13,11 +13,11 @@ from conftest import interrupt_hanging_sweep, run_dghard
 from test_sweep import BUDGET, Pair, ref_hm, ref_layer_strength
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep import lines as L
-from dghard_cli.sweep.candidate_file import parse_candidates
-from dghard_cli.sweep.family_dispatch import make_candidate, reproduce_argv, write_candidate
-from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
-from dghard_cli.sweep.search import coarse_order, next_round
+from dghard_cli.sweeping import lines as L
+from dghard_cli.sweeping.candidate_file import parse_candidates
+from dghard_cli.sweeping.family_dispatch import make_candidate, reproduce_argv, write_candidate
+from dghard_cli.sweeping.run import SweepOptions, staging_path, sweep
+from dghard_cli.sweeping.search import coarse_order, next_round
 
 # one coarse point, a coarse compass (steps 0.25, then done) and the per-group stage after it
 LINES_ONLY = """

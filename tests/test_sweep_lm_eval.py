@@ -21,8 +21,8 @@ import torch
 from conftest import run_dghard
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep import lm_eval as L
-from dghard_cli.sweep.command import build_command
+from dghard_cli.sweeping import lm_eval as L
+from dghard_cli.sweeping.command import build_command
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local JSON only; the Hub is never asked
 

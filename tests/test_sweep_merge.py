@@ -21,10 +21,10 @@ import numpy as np
 import pytest
 from conftest import f64, load_dir
 
-from dghard_cli.score.experts import expert_reference
-from dghard_cli.score.metrics import score_candidates
-from dghard_cli.score.results import Score
-from dghard_cli.sweep.run import SweepOptions, sweep
+from dghard_cli.scoring.experts import expert_reference
+from dghard_cli.scoring.metrics import score_candidates
+from dghard_cli.scoring.results import Score
+from dghard_cli.sweeping.run import SweepOptions, sweep
 from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise
 
 CFG = ArchConfig(
@@ -358,8 +358,8 @@ def test_a_lines_merge_candidate_is_written_by_its_printed_command(experts, tmp_
     from typer.testing import CliRunner
 
     from dghard_cli.cli import app
-    from dghard_cli.sweep.family_dispatch import make_candidate, reproduce_argv, write_candidate
-    from dghard_cli.sweep.lines_candidates import LinesEntry
+    from dghard_cli.sweeping.family_dispatch import make_candidate, reproduce_argv, write_candidate
+    from dghard_cli.sweeping.lines_candidates import LinesEntry
 
     ta = make_candidate(_entry("task-arithmetic", "lambda"), 0.4, n_fts=3)
     e = LinesEntry(family="lines", grid=[], axis="lines", merge_params=ta.params, fine_tunes="several")
@@ -383,7 +383,7 @@ def test_a_lines_merge_candidate_is_written_by_its_printed_command(experts, tmp_
 
 
 def _entry(family: str, axis: str):
-    from dghard_cli.sweep.candidate_file import parse_candidates
+    from dghard_cli.sweeping.candidate_file import parse_candidates
 
     (e,) = parse_candidates({"families": [{"family": family, "axis": axis, "grid": [0.4]}]}, "x")
     return e
@@ -398,8 +398,8 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
 
     from dghard_cli.methods import registry
     from dghard_cli.methods.declare import MergeMethod
-    from dghard_cli.sweep import merges
-    from dghard_cli.sweep.candidate_file import load_candidates
+    from dghard_cli.sweeping import merges
+    from dghard_cli.sweeping.candidate_file import load_candidates
 
     entries, _ = load_candidates(None)
     several = [e for e in entries if e.applies(3)]
@@ -486,7 +486,7 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
 )
 def test_merges_block_errors_name_the_key(block, message):
     from dghard_cli.errors import InputError
-    from dghard_cli.sweep.candidate_file import parse_candidates
+    from dghard_cli.sweeping.candidate_file import parse_candidates
 
     with pytest.raises(InputError) as e:
         parse_candidates({"merges": block}, "c.yaml")
@@ -494,7 +494,7 @@ def test_merges_block_errors_name_the_key(block, message):
 
 
 def test_a_method_given_its_own_grid_and_range_in_the_merges_block():
-    from dghard_cli.sweep.candidate_file import parse_candidates
+    from dghard_cli.sweeping.candidate_file import parse_candidates
 
     block = {
         "grid": [0.3, 0.6],
@@ -517,9 +517,9 @@ def test_a_method_given_its_own_grid_and_range_in_the_merges_block():
 
 def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
     from dghard_cli.io.checkpoint import Checkpoint
-    from dghard_cli.sweep import merges
-    from dghard_cli.sweep.candidate_file import load_candidates
-    from dghard_cli.sweep.family_dispatch import make_candidate, reproduce_argv
+    from dghard_cli.sweeping import merges
+    from dghard_cli.sweeping.candidate_file import load_candidates
+    from dghard_cli.sweeping.family_dispatch import make_candidate, reproduce_argv
 
     entries, _ = load_candidates(None)
     (ties,) = [e for e in entries if e.family == "ties" and e.origin == "merges"]
@@ -568,7 +568,7 @@ def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
     import time
 
     from dghard_cli.errors import Interrupted
-    from dghard_cli.sweep import jobs
+    from dghard_cli.sweeping import jobs
 
     doc, _ = swept
     real, calls = jobs.run_command, []
@@ -595,7 +595,7 @@ def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
 def test_followups_go_to_every_family_within_noise_of_the_best():
     """A family a little behind on strength alone gets its schedule tried too (within the
     noise margin, or --tie-tolerance if larger), best first, as many as the reserve allows."""
-    from dghard_cli.sweep import merges
+    from dghard_cli.sweeping import merges
 
     def row(entry, hm, order, feasible=1):
         return {"entry": entry, "objective": (feasible, hm, -0.5), "order": order}

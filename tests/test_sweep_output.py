@@ -11,8 +11,8 @@ import pytest
 from conftest import run_dghard
 from test_sweep import Pair
 
-from dghard_cli.sweep import plot as sweep_plot
-from dghard_cli.sweep.run import SweepOptions, _Sweep
+from dghard_cli.sweeping import plot as sweep_plot
+from dghard_cli.sweeping.run import SweepOptions, _Sweep
 
 
 @pytest.fixture(scope="module")

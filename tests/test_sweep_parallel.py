@@ -24,8 +24,8 @@ from conftest import run_dghard
 from test_sweep import Pair, alive
 
 from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
-from dghard_cli.sweep import execution, jobs, steps
-from dghard_cli.sweep.run import SweepOptions, staging_path, sweep
+from dghard_cli.sweeping import execution, jobs, steps
+from dghard_cli.sweeping.run import SweepOptions, staging_path, sweep
 
 WRAPPER = """
 import json, os, subprocess, sys, time
@@ -342,7 +342,7 @@ def test_the_distance_has_the_same_bits_whatever_the_thread_count(tmp_path):
     from safetensors.torch import save_file
 
     from dghard_cli.io.checkpoint import Checkpoint
-    from dghard_cli.sweep.choose import update_distance
+    from dghard_cli.sweeping.choose import update_distance
 
     g = torch.Generator().manual_seed(3)
     shapes = {"a.weight": (700, 900), "b.weight": (1500, 333)}
@@ -377,7 +377,7 @@ def test_a_full_disk_while_the_sweep_writes_its_report_is_exit_3_and_resumes(pai
     error: OSError'; a full disk is the machine's state: exit 3 saying so, the cache kept."""
     import errno
 
-    from dghard_cli.sweep import run as sweep_run
+    from dghard_cli.sweeping import run as sweep_run
 
     _reset(pair)
     real = sweep_run.write_json
@@ -500,7 +500,7 @@ def test_an_evaluation_that_deletes_the_staging_directory_stops_the_sweep_with_o
 
 
 def test_an_evaluation_that_ignores_sigterm_is_killed_and_its_thread_returns(tmp_path):
-    from dghard_cli.sweep import evaluate
+    from dghard_cli.sweeping import evaluate
 
     pidfile = tmp_path / "pid"
     template = f"sh -c 'trap \"\" TERM; echo $$ > {pidfile}; sleep 60' {{model}} {{output}}"

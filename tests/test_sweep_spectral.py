@@ -21,7 +21,7 @@ from test_merge_spectral import UBF16, as64, assert_close, ill_conditioned_delta
 from test_sweep_merge import FORMULA, Experts, _sweep
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep.steps import _slug
+from dghard_cli.sweeping.steps import _slug
 from dghard_cli.testing.synthetic import ArchConfig, write_checkpoint
 
 # the stand-in evaluation of test_sweep_merge, reading F32 and BF16 tensors with numpy alone
@@ -94,8 +94,8 @@ def swept(experts, tmp_path_factory) -> tuple[dict, Path]:
 
 
 def test_the_subspace_merges_are_families_with_their_own_alpha_range():
-    from dghard_cli.sweep.candidate_file import load_candidates, parse_candidates
-    from dghard_cli.sweep.candidates import kinds
+    from dghard_cli.sweeping.candidate_file import load_candidates, parse_candidates
+    from dghard_cli.sweeping.candidates import kinds
 
     k = kinds()
     for name in ("tsv", "iso-c", "iso-cts"):
@@ -177,7 +177,7 @@ def test_the_printed_command_carries_dtype_and_rewrites_the_winner_byte_for_byte
 def test_the_output_dtype_is_part_of_a_cached_candidate(experts, tmp_path, monkeypatch):
     """The same candidate written in another dtype is another model: its own cache key (no
     --dtype: the key it had before the option existed)."""
-    from dghard_cli.sweep import steps
+    from dghard_cli.sweeping import steps
 
     seen: list[dict] = []
     real = steps.digest
@@ -264,7 +264,7 @@ def test_a_methods_grid_of_its_own_is_searched_as_given_or_refused_never_replace
     """A `methods:` entry is what the user asked for: a negative α was dropped from its grid
     (or, with a negative range, the method dropped) and α beyond the declared 3 replaced by
     values inside it, silently."""
-    from dghard_cli.sweep.candidate_file import parse_candidates
+    from dghard_cli.sweeping.candidate_file import parse_candidates
 
     def entry(spec: dict):
         doc = {"merges": {"grid": [0.3], "range": [0.1, 1.5], "methods": {"tsv": spec}}}

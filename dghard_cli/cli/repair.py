@@ -149,7 +149,7 @@ def repair_cmd(
         from dghard_cli.engine.plan import PolicyOptions, parse_size
         from dghard_cli.engine.runner import RunOptions
         from dghard_cli.io.safetensors_format import parse_dtype_option
-        from dghard_cli.repair import RepairOptions, repair
+        from dghard_cli.repairing import RepairOptions, repair
         from dghard_cli.schedule.spec import schedule_from_options
         from dghard_cli.spectral.spectrum import ShrinkSpec
 

@@ -10,7 +10,7 @@ import typer
 
 from dghard_cli.cli.common import JsonOpt, QuietOpt, VerboseOpt, app, check_failed, choices, emit, run_cli
 from dghard_cli.errors import InputError
-from dghard_cli.score.results import SCALES
+from dghard_cli.scoring.results import SCALES
 
 SCORE_EPILOG = """
 **Examples**
@@ -100,7 +100,7 @@ def score_cmd(
     def body() -> dict:
         from dghard_cli.io.atomic import write_json_atomic
         from dghard_cli.io.paths import Output, check_outputs
-        from dghard_cli.score.scoring import score_files
+        from dghard_cli.scoring.run import score_files
 
         doc = score_files(
             base,

@@ -22,7 +22,7 @@ from dghard_cli.cli.common import (
     emit,
     run_cli,
 )
-from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
+from dghard_cli.sweeping.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 
 SWEEP_EPILOG = """
 **Examples**
@@ -253,9 +253,9 @@ def sweep_cmd(
 
         precheck_out(out, overwrite=overwrite)  # before seconds of imports
         # an evaluation given its own GPU (--devices; Ray's gpu resource) sees it as cuda:0
-        from dghard_cli.sweep.execution import ray_gpus
-        from dghard_cli.sweep.lm_eval import resolve
-        from dghard_cli.sweep.run import SweepOptions, sweep
+        from dghard_cli.sweeping.execution import ray_gpus
+        from dghard_cli.sweeping.lm_eval import resolve
+        from dghard_cli.sweeping.run import SweepOptions, sweep
 
         own_gpu = bool(devices) or (executor == "ray" and ray_gpus(eval_resources) > 0)
         eval_template, lm_eval_doc = resolve(

@@ -193,7 +193,7 @@ class LowRankMergeOp:
             yield from self.average(job, src, rec)
             return
         blocks = TallBlocks(job, src, self.device, self.block_bytes)
-        # the working set was checked for every matrix before anything was written (merge.py)
+        # the working set was checked for every matrix before anything was written (merging.py)
         xs = blocks.whole()
         if not all(bool(torch.isfinite(x).all()) for x in xs):
             if not src.allow_nonfinite:

@@ -96,7 +96,7 @@ class CalibratedOp:
             yield from self.inner(job, src, rec)
             return
         rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
-        # the working set was checked for every matrix before anything was written (merge.py)
+        # the working set was checked for every matrix before anything was written (merging.py)
         wide_job = dataclasses.replace(job, out_dtype=WIDE, final_dtype=job.final_dtype or job.out_dtype)
         merged = torch.cat([_wide(b) for b in self.inner(wide_job, src, rec)]).reshape(job.shape)
         if rec.get("nonfinite"):  # kept as it was (--allow-nonfinite)

@@ -25,7 +25,7 @@ from dghard_cli.errors import InputError
 from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.io.safetensors_format import parse_dtype_option
 from dghard_cli.lora.output import LoraOutputOptions
-from dghard_cli.merge import MergeOptions
+from dghard_cli.merging import MergeOptions
 from dghard_cli.methods import registry
 from dghard_cli.recipes.recipe import Recipe, load_recipe
 
@@ -57,7 +57,7 @@ class Given:
 
 @dataclass
 class MergeCall:
-    """The arguments of :func:`dghard_cli.merge.merge`."""
+    """The arguments of :func:`dghard_cli.merging.merge`."""
 
     base: str
     fts: list[str]
@@ -194,7 +194,7 @@ def merge_call(given: Given, recipe: Recipe | None) -> MergeCall:
 def run_recipe(path: str | Path, *, out: str | Path | None = None, **given: Any) -> dict:
     """Run a dghard or mergekit YAML recipe (``out``: OUT, else the recipe's ``out:``; ``given``:
     any other :class:`Given` field, which wins over the recipe); returns the report."""
-    from dghard_cli.merge import merge
+    from dghard_cli.merging import merge
 
     call = merge_call(Given(out=out, **given), load_recipe(path))
     return merge(call.base, call.fts, call.out, call.options)

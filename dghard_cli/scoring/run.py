@@ -3,7 +3,7 @@
 Inputs are lm-evaluation-harness result files (or the directories it writes them into) or a
 plain ``{"benchmark": score}`` JSON. Every score is put on one scale, **points** (0–100):
 
-- units (:mod:`dghard_cli.score.scales`): under ``auto`` each benchmark of each file is a
+- units (:mod:`dghard_cli.scoring.scales`): under ``auto`` each benchmark of each file is a
   fraction (in [0, 1]: ×100), points, or unbounded (below 0 or above 100, a −NLL: kept in its
   own units, margin floor relative to its size), made consistent across files. ``scale=``
   forces ``fraction`` or ``points`` for every benchmark of a file.
@@ -51,8 +51,8 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from dghard_cli.io.checkpoint import path_exists
-from dghard_cli.score.metrics import score_candidates
-from dghard_cli.score.results import MetricRule, ResultFile, read_results
+from dghard_cli.scoring.metrics import score_candidates
+from dghard_cli.scoring.results import MetricRule, ResultFile, read_results
 
 _NAME_SPEC = re.compile(r"^([^=/\\]+)=(.+)$")
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 from dghard_cli.errors import InputError
 from dghard_cli.io.files import RESULTS_LIMIT, read_bytes, walk_files
-from dghard_cli.sweep.command import build_command
+from dghard_cli.sweeping.command import build_command
 
 #: How much of the command's output the report keeps per evaluation.
 LOG_TAIL_LINES = 20
@@ -51,7 +51,7 @@ def check_template(template: str) -> None:
 
 def fill_template(template: str, model: Path, output: Path, device: str = "") -> str:
     """The shell command: each placeholder replaced once by a shell-quoted value
-    (:mod:`dghard_cli.sweep.command`: built from the template's tokens, never re-scanned)."""
+    (:mod:`dghard_cli.sweeping.command`: built from the template's tokens, never re-scanned)."""
     return build_command(template, model=str(model), output=str(output), device=device)
 
 
@@ -245,7 +245,7 @@ def run_command(
 
 def locate_results(output: Path, stdout: Path, *, uses_output: bool) -> Path:
     """The results file the command produced; InputError (the candidate is unreadable) if none."""
-    from dghard_cli.score.results import find_results_file
+    from dghard_cli.scoring.results import find_results_file
 
     if output.is_file():
         return output

@@ -1,6 +1,6 @@
 """Reading evaluation results: lm-evaluation-harness output or a plain ``{"benchmark": score}``
 JSON, put on one scale, **points** (0–100; unbounded scores such as a −NLL stay in their own
-units, see :mod:`dghard_cli.score.scales`), with the metric chosen per task."""
+units, see :mod:`dghard_cli.scoring.scales`), with the metric chosen per task."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from typing import NamedTuple, Union
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import path_exists, read_json_file
 from dghard_cli.io.files import RESULTS_LIMIT, realpath, walk_files
-from dghard_cli.score import scales
+from dghard_cli.scoring import scales
 
 #: Metric names that represent a task, most preferred first.
 METRIC_PRIORITY = ("acc_norm", "acc", "exact_match", "pass@1", "pass_at_1", "mc2", "f1", "em")

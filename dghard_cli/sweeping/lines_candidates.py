@@ -3,9 +3,9 @@ block ranges and the ``--layer-strengths`` schedule of a per-group point, a cand
 (α, β) pair or a :class:`GroupPoint`, its reproduction command, and writing it with
 ``dghard repair``.
 
-Relies on :mod:`dghard_cli.sweep.candidates` (the family-independent candidate types and number
-formatting), :mod:`dghard_cli.schedule.spec` (``LayerSchedule``) and :func:`dghard_cli.repair.repair`.
-:mod:`dghard_cli.sweep.lines` is the public entry and describes the family's search.
+Relies on :mod:`dghard_cli.sweeping.candidates` (the family-independent candidate types and number
+formatting), :mod:`dghard_cli.schedule.spec` (``LayerSchedule``) and :func:`dghard_cli.repairing.repair`.
+:mod:`dghard_cli.sweeping.lines` is the public entry and describes the family's search.
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dghard_cli.engine.runner import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
-from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.repairing import RepairOptions, repair
 from dghard_cli.schedule.spec import LayerSchedule, parse_layer_strengths
 from dghard_cli.spectral.spectrum import ShrinkSpec
-from dghard_cli.sweep.candidates import Candidate, FamilyEntry, _fmt, round_sig
+from dghard_cli.sweeping.candidates import Candidate, FamilyEntry, _fmt, round_sig
 
 FAMILY = "lines"
 DEFAULT_RANGE = {"alpha": (0.0, 1.0), "beta": (0.0, 1.0)}

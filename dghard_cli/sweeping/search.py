@@ -18,7 +18,7 @@ from the cache) takes exactly the same steps as one that was never interrupted.
    side first; a side narrower than ``tolerance`` × the range, or whose probe rounds onto an
    evaluated value, is not probed. An entry is done when neither side is; then the next-ranked
    entry is refined. (The ``lines`` family probes every unevaluated compass neighbour of its best
-   point at once: :mod:`dghard_cli.sweep.lines_search`.)
+   point at once: :mod:`dghard_cli.sweeping.lines_search`.)
 3. When no entry can be refined, the remaining coarse points are one round; the sweep stops
    when the budget is spent or nothing is left. A round larger than the budget left is cut to
    its first candidates.
@@ -29,8 +29,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from dghard_cli.sweep.candidates import Candidate, FamilyEntry, round_sig
-from dghard_cli.sweep.family_dispatch import make_candidate
+from dghard_cli.sweeping.candidates import Candidate, FamilyEntry, round_sig
+from dghard_cli.sweeping.family_dispatch import make_candidate
 
 #: 2 − φ: where golden-section search puts its next probe inside the wider side.
 GOLDEN = (3.0 - math.sqrt(5.0)) / 2.0
@@ -67,7 +67,7 @@ def refine_probes(entry: FamilyEntry, points: dict[float, Objective]) -> list:
     ``points`` maps the evaluated axis values of this entry to their objectives.
     """
     if entry.family == "lines":  # two axes: a compass search (sweep/lines.py)
-        from dghard_cli.sweep import lines
+        from dghard_cli.sweeping import lines
 
         return lines.refine_probes(entry, points)  # type: ignore[arg-type]
     if not entry.refine:
@@ -139,7 +139,7 @@ def entry_points(
 ) -> dict[float, Objective]:
     """The evaluated axis values of ``entry`` and their objectives."""
     if entry.family == "lines":
-        from dghard_cli.sweep import lines
+        from dghard_cli.sweeping import lines
 
         return lines.entry_points(entry, evaluated)  # type: ignore[arg-type, return-value]
     # the entry's own grid and every value refinement produced are candidates of this entry;

@@ -9,8 +9,8 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
-from dghard_cli.score import scales
-from dghard_cli.score.results import MAX_SCORE, ResultFile, Score, ScoreLike, _is_number
+from dghard_cli.scoring import scales
+from dghard_cli.scoring.results import MAX_SCORE, ResultFile, Score, ScoreLike, _is_number
 
 SCHEMA_VERSION = 1
 
@@ -97,7 +97,7 @@ def score_candidates(
     ``units_option`` is the option the unit warnings advise (``None``: the caller has none).
 
     All scores are in points. ``targets_in_retention`` (the sweep with several fine-tunes,
-    :mod:`dghard_cli.score.experts`): % retention is the mean over the improved benchmarks
+    :mod:`dghard_cli.scoring.experts`): % retention is the mean over the improved benchmarks
     *and* the targets, so HM weighs every expert's gain on its own benchmark; a missing
     damaged partition is then a note (``notes``), not a warning. ``unchanged_in_repair`` (the
     same sweep): an unchanged benchmark (a skill of the base no fine-tune moved beyond its margin)

@@ -3,8 +3,8 @@ so far, then (with ``--refine groups``) the same search over per-group offsets, 
 evaluated points of an entry recovered from the sweep's evaluations (so a resumed sweep takes
 the same steps).
 
-Relies on :mod:`dghard_cli.sweep.lines_candidates` (group points, block ranges, the candidate
-a point makes). :mod:`dghard_cli.sweep.lines` is the public entry.
+Relies on :mod:`dghard_cli.sweeping.lines_candidates` (group points, block ranges, the candidate
+a point makes). :mod:`dghard_cli.sweeping.lines` is the public entry.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from dghard_cli.errors import InputError
-from dghard_cli.sweep.candidates import round_sig
-from dghard_cli.sweep.lines_candidates import GroupPoint, LinesEntry, _make, group_ranges
+from dghard_cli.sweeping.candidates import round_sig
+from dghard_cli.sweeping.lines_candidates import GroupPoint, LinesEntry, _make, group_ranges
 
 Objective = tuple | None
 

@@ -17,7 +17,7 @@ Steps (:func:`run_job`):
 
 1. **Write** the candidate (unless the sweep already did: the local executor writes in the
    sweep's main thread, one candidate at a time, while other jobs evaluate), snapshot it, and
-   measure its distance to the fine-tune (:func:`~dghard_cli.sweep.choose.update_distance`).
+   measure its distance to the fine-tune (:func:`~dghard_cli.sweeping.choose.update_distance`).
    A candidate that cannot be written (its strengths overflow the output dtype, a worker that
    cannot read BASE) is that job's failure, not the sweep's.
 2. **Evaluate**: a LoRA adapter (a reference fine-tune, or a candidate written as one) is merged
@@ -40,9 +40,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dghard_cli.errors import InputError, RuntimeFailure
-from dghard_cli.sweep import integrity
-from dghard_cli.sweep.candidates import Candidate
-from dghard_cli.sweep.evaluate import locate_results, run_command
+from dghard_cli.sweeping import integrity
+from dghard_cli.sweeping.candidates import Candidate
+from dghard_cli.sweeping.evaluate import locate_results, run_command
 
 #: Names inside a job's directory.
 CANDIDATE_DIR = "candidate"
@@ -117,7 +117,7 @@ def _merge_adapter(base: str, adapter: str, target: Path, device: str) -> Path:
     """A LoRA adapter of BASE as the full checkpoint an evaluation can load (BASE + ΔW)."""
     from dghard_cli.engine.runner import RunOptions
     from dghard_cli.lora.output import LoraOutputOptions
-    from dghard_cli.merge import MergeOptions, merge
+    from dghard_cli.merging import MergeOptions, merge
 
     shutil.rmtree(target, ignore_errors=True)
     opts = MergeOptions(
@@ -165,7 +165,7 @@ def prepare(job: Job) -> dict:
         assert job.model is not None
         model, adapter = Path(job.model), job.model_is_adapter
     if adapter:  # evaluated as a full checkpoint, as FT was
-        from dghard_cli.sweep.cache import dir_bytes
+        from dghard_cli.sweeping.cache import dir_bytes
 
         t0 = time.perf_counter()
         try:
@@ -185,9 +185,9 @@ def prepare_candidate(job: Job) -> dict:
     from dghard_cli.io.checkpoint import Checkpoint
     from dghard_cli.io.hub import open_checkpoint
     from dghard_cli.lora.source import open_ft
-    from dghard_cli.sweep.cache import dir_bytes, write_json
-    from dghard_cli.sweep.choose import update_distance
-    from dghard_cli.sweep.family_dispatch import write_candidate
+    from dghard_cli.sweeping.cache import dir_bytes, write_json
+    from dghard_cli.sweeping.choose import update_distance
+    from dghard_cli.sweeping.family_dispatch import write_candidate
 
     w = job.write
     assert w is not None

@@ -20,7 +20,7 @@ class SweepReport:
         """(the plot's file name in OUT, None) or (None, why there is none)."""
         missing = "matplotlib is not installed (pip install 'dghard[plot]')"
         try:
-            from dghard_cli.sweep.plot import frontier_png
+            from dghard_cli.sweeping.plot import frontier_png
         except ImportError:
             return None, missing
         try:

@@ -10,9 +10,9 @@ from pathlib import Path
 from dghard_cli.errors import InputError
 from dghard_cli.io.yaml_file import read_yaml_file
 from dghard_cli.methods import registry
-from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, FamilyEntry, kinds
-from dghard_cli.sweep.candidates import is_number as _num
-from dghard_cli.sweep.family_dispatch import make_candidate
+from dghard_cli.sweeping.candidates import DEFAULT_TOLERANCE, FamilyEntry, kinds
+from dghard_cli.sweeping.candidates import is_number as _num
+from dghard_cli.sweeping.family_dispatch import make_candidate
 
 MAX_CANDIDATES_BYTES = 1024 * 1024
 
@@ -38,7 +38,7 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
     fam = fam.strip().lower()
     fam = "dare-linear" if fam == "dare" else fam
     if fam == "lines":
-        from dghard_cli.sweep import lines
+        from dghard_cli.sweeping import lines
 
         return lines.parse_entry(raw, index, where)
     at = f"{at} ({fam})"
@@ -133,7 +133,7 @@ def parse_entry(raw: object, index: int, where: str) -> FamilyEntry:
 def check_entry(entry: FamilyEntry, n_fts: int, where: str) -> None:
     """Every parameter of the candidates this entry may produce (grid and range ends)."""
     if entry.family == "lines":
-        from dghard_cli.sweep import lines
+        from dghard_cli.sweeping import lines
 
         return lines.check_entry(entry, n_fts, where)  # type: ignore[arg-type]
     for v in (*entry.grid, entry.lo, entry.hi):
@@ -142,7 +142,7 @@ def check_entry(entry: FamilyEntry, n_fts: int, where: str) -> None:
 
 def parse_candidates(doc: object, where: str) -> list[FamilyEntry]:
     """The entries of a candidate file: its ``families``, then one entry per swept merge method
-    when it has a ``merges:`` block (:mod:`dghard_cli.sweep.merges`)."""
+    when it has a ``merges:`` block (:mod:`dghard_cli.sweeping.merges`)."""
     if not isinstance(doc, dict) or not ("families" in doc or "merges" in doc):
         raise InputError(f"{where}: expected a mapping with a 'families' list (and/or a 'merges' block)")
     unknown = [k for k in doc if k not in TOP_KEYS]
@@ -153,7 +153,7 @@ def parse_candidates(doc: object, where: str) -> list[FamilyEntry]:
         raise InputError(f"{where}: 'families' must be a non-empty list")
     entries = [parse_entry(raw, i, where) for i, raw in enumerate(fams)]
     if "merges" in doc:
-        from dghard_cli.sweep import merges
+        from dghard_cli.sweeping import merges
 
         entries += merges.block_entries(merges.parse_block(doc["merges"], where), len(entries))
     return entries

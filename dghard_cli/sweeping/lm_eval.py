@@ -1,6 +1,6 @@
 """``dghard sweep --lm-eval TASKS``: lm-evaluation-harness as the sweep's evaluation command.
 
-The sweep runs an evaluation command template (:mod:`dghard_cli.sweep.evaluate`); this module
+The sweep runs an evaluation command template (:mod:`dghard_cli.sweeping.evaluate`); this module
 writes that template for lm-evaluation-harness, so ``--lm-eval arc_easy,hellaswag`` stands for
 
     PYTHON -m lm_eval --model hf --model_args pretrained={model} --tasks arc_easy,hellaswag \\
@@ -9,7 +9,7 @@ writes that template for lm-evaluation-harness, so ``--lm-eval arc_easy,hellaswa
 where PYTHON is this interpreter (lm_eval must be installed next to dghard:
 ``pip install 'dghard[lm-eval]'``). lm-eval writes ``{output}/<model>/results_<time>.json``,
 which the sweep reads like any lm-eval results file (the newest ``results*.json`` under
-``{output}``, each task's metric chosen by :mod:`dghard_cli.score.results`).
+``{output}``, each task's metric chosen by :mod:`dghard_cli.scoring.results`).
 
 :func:`check` refuses, before anything runs, what would make every evaluation fail: lm_eval
 not importable here, ``--lm-eval-model vllm`` without vllm, a task lm-eval does not know. Task

@@ -25,8 +25,8 @@ one rule over the merge-method registry (:mod:`dghard_cli.methods.registry`):
    (``--calibrate svc``), one evaluation each.
    The follow-ups are chosen from the results alone, so a resumed sweep derives the same ones.
 
-Relies on :mod:`dghard_cli.sweep.candidates` (entries, kinds) and
-:mod:`dghard_cli.sweep.lines_candidates` (the schedule entry).
+Relies on :mod:`dghard_cli.sweeping.candidates` (entries, kinds) and
+:mod:`dghard_cli.sweeping.lines_candidates` (the schedule entry).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from dataclasses import dataclass, field
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.methods import registry
-from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, Candidate, FamilyEntry
-from dghard_cli.sweep.candidates import is_number as _num
+from dghard_cli.sweeping.candidates import DEFAULT_TOLERANCE, Candidate, FamilyEntry
+from dghard_cli.sweeping.candidates import is_number as _num
 
 BLOCK_KEYS = ("grid", "range", "methods", "exclude", "density", "lines", "calibrate", "tolerance")
 #: The keys of one method's own strength search in ``methods:``.
@@ -296,7 +296,7 @@ def followups(
     ``start``, and why one was left out (a schedule that cannot bind to the checkpoint);
     ``density``: whether it gets the density follow-up too (the best family only)."""
     from dghard_cli.schedule.bind import checkpoint_depth, schedule_problem
-    from dghard_cli.sweep.lines_candidates import LinesEntry
+    from dghard_cli.sweeping.lines_candidates import LinesEntry
 
     out: list[FamilyEntry] = []
     notes: list[str] = []

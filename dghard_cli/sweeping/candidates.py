@@ -22,9 +22,9 @@ iso-cts            merge      Iso-CTS: the same, common + task directions       
 lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiNeS)        (α, β): 2-D
 =================  =========  ================================================  ==============
 
-The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweep.lines`; a
-candidate of any family is made, reproduced and written by :mod:`dghard_cli.sweep.family_dispatch`. With several fine-tunes the
-candidate file's ``merges:`` block (:mod:`dghard_cli.sweep.merges`) makes one entry per
+The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweeping.lines`; a
+candidate of any family is made, reproduced and written by :mod:`dghard_cli.sweeping.family_dispatch`. With several fine-tunes the
+candidate file's ``merges:`` block (:mod:`dghard_cli.sweeping.merges`) makes one entry per
 registered merge method and, for the best merge, follow-ups: its density, and the merge under
 ``--lines α,β`` (a merge candidate whose parameters carry ``lines``).
 """

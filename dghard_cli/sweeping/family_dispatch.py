@@ -1,8 +1,8 @@
 """A candidate of any family of ``dghard sweep`` made from its entry at an axis value
 (:func:`make_candidate`), its reproduction command line (:func:`reproduce_argv`) and written
 (:func:`write_candidate`): the one-axis families here, the two-dimensional ``lines`` family by
-:mod:`dghard_cli.sweep.lines`. What a family, an entry and a candidate are is in
-:mod:`dghard_cli.sweep.candidates`.
+:mod:`dghard_cli.sweeping.lines`. What a family, an entry and a candidate are is in
+:mod:`dghard_cli.sweeping.candidates`.
 
 Every candidate is written by the library function of its command (``repair`` or ``merge``),
 so it is byte for byte what the printed command writes. With LoRA adapters as fine-tunes,
@@ -22,13 +22,13 @@ from dghard_cli.io.safetensors_format import dtype_flag
 from dghard_cli.lora.output import LoraOutputOptions, linear_coefficients
 from dghard_cli.lora.route_exact import dora_blocker, uses_dora
 from dghard_cli.lora.source import is_adapter
-from dghard_cli.merge import MergeOptions, merge, resolve_parameters
+from dghard_cli.merging import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
 from dghard_cli.methods.declare import LINES
-from dghard_cli.repair import RepairOptions, repair
+from dghard_cli.repairing import RepairOptions, repair
 from dghard_cli.spectral.spectrum import ShrinkSpec
-from dghard_cli.sweep import lines
-from dghard_cli.sweep.candidates import Candidate, FamilyEntry, _fmt, is_number
+from dghard_cli.sweeping import lines
+from dghard_cli.sweeping.candidates import Candidate, FamilyEntry, _fmt, is_number
 
 
 def make_candidate(entry: FamilyEntry, value: float, *, n_fts: int, where: str = "candidate") -> Candidate:

@@ -3,9 +3,9 @@ ranges, step and tolerance, ``fixed`` spectral parameters, the per-group setting
 candidate it may produce checked up front, and the entries bound to FT's number of layers
 (or skipped, with the reason, where FT cannot take a schedule).
 
-Relies on :mod:`dghard_cli.sweep.lines_candidates` (the entry type and its candidates) and on
+Relies on :mod:`dghard_cli.sweeping.lines_candidates` (the entry type and its candidates) and on
 :mod:`dghard_cli.schedule.bind` (whether and how deep a schedule binds to FT).
-:mod:`dghard_cli.sweep.lines` is the public entry.
+:mod:`dghard_cli.sweeping.lines` is the public entry.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.schedule.bind import checkpoint_depth, schedule_problem
-from dghard_cli.sweep.candidates import DEFAULT_TOLERANCE, FamilyEntry
-from dghard_cli.sweep.candidates import is_number as _num
-from dghard_cli.sweep.lines_candidates import (
+from dghard_cli.sweeping.candidates import DEFAULT_TOLERANCE, FamilyEntry
+from dghard_cli.sweeping.candidates import is_number as _num
+from dghard_cli.sweeping.lines_candidates import (
     DEFAULT_GROUP_RANGE,
     DEFAULT_GROUPS,
     DEFAULT_RANGE,

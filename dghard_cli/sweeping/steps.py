@@ -6,7 +6,7 @@ a Ray cluster, with the same result as one at a time.
 takes the next job of the round when it frees. With the local executor the sweep's main thread
 writes each candidate (one at a time, so one candidate's write is the most the process holds
 besides the evaluations, which are other processes) and a thread waits on its evaluation; with
-Ray a worker writes and evaluates it (:mod:`dghard_cli.sweep.jobs`). Every finished evaluation
+Ray a worker writes and evaluates it (:mod:`dghard_cli.sweeping.jobs`). Every finished evaluation
 is cached at once; a round's rows enter the report in the round's order, whatever the order of
 completion, so the next round and the winner are those of a sweep that ran one at a time.
 
@@ -19,7 +19,7 @@ when nothing is running).
 
 LoRA adapters as fine-tunes: each candidate is written in the format its reproduction command
 writes (an adapter where it is exact as one, else the merged checkpoint:
-:func:`~dghard_cli.sweep.family_dispatch.writes_adapter`). Whatever the format, it is measured
+:func:`~dghard_cli.sweeping.family_dispatch.writes_adapter`). Whatever the format, it is measured
 and evaluated as the model it stands for: its distance to the fine-tune compares BASE + ΔW
 (the adapter read as the fine-tune is, :func:`~dghard_cli.lora.source.open_ft`), and the
 evaluation command gets that model as a full checkpoint, as it got FT."""
@@ -39,12 +39,12 @@ from pathlib import Path
 from dghard_cli._version import __version__
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
-from dghard_cli.score.results import ResultFile, read_results
-from dghard_cli.sweep.cache import digest, dir_bytes, input_identity
-from dghard_cli.sweep.candidates import Candidate, reproduced_out, shell_command
-from dghard_cli.sweep.choose import choose_winner
-from dghard_cli.sweep.family_dispatch import reproduce_argv, writes_adapter
-from dghard_cli.sweep.jobs import (
+from dghard_cli.scoring.results import ResultFile, read_results
+from dghard_cli.sweeping.cache import digest, dir_bytes, input_identity
+from dghard_cli.sweeping.candidates import Candidate, reproduced_out, shell_command
+from dghard_cli.sweeping.choose import choose_winner
+from dghard_cli.sweeping.family_dispatch import reproduce_argv, writes_adapter
+from dghard_cli.sweeping.jobs import (
     CANDIDATE_DIR,
     CandidateWrite,
     Job,
@@ -137,7 +137,7 @@ class EvaluationSteps:
         """Run ``jobs`` on the executor, at most ``slots`` at a time, in order of submission;
         ``on_done`` is called in this thread as each finishes (in order of completion). A job
         whose worker hit the machine's limits (disk full) stops the sweep: RuntimeFailure."""
-        from dghard_cli.sweep.evaluate import KILL_GRACE_S, allow_evaluations, terminate_running
+        from dghard_cli.sweeping.evaluate import KILL_GRACE_S, allow_evaluations, terminate_running
 
         allow_evaluations()
         queue = list(jobs)
@@ -560,7 +560,7 @@ class EvaluationSteps:
     def drop(self, cdir: Path) -> None:
         """Delete a candidate that lost, and its key file ``CDIR.key`` (``keep_candidates``: move
         both to ``<stage>/kept/NNN-name``)."""
-        from dghard_cli.sweep import integrity
+        from dghard_cli.sweeping import integrity
 
         keyfile = cdir.parent / f"{cdir.name}.key"
         if self.opts.keep_candidates and cdir.is_dir():
@@ -582,7 +582,7 @@ class EvaluationSteps:
     def from_kept(self, key: str, target: Path) -> bool:
         """Move the kept candidate of ``key`` (``keep_candidates``) to ``target``, if it is there
         intact: the winner chosen at the end may be one that lost while the round ran."""
-        from dghard_cli.sweep import integrity
+        from dghard_cli.sweeping import integrity
 
         kept = self.stage / "kept"
         for keyfile in sorted(kept.glob("*.key")) if kept.is_dir() else []:

@@ -22,7 +22,7 @@ user's own evaluation command, within a budget of evaluations.
    evaluating anything twice.
 
 With several fine-tunes each benchmark is scored against its own expert
-(:mod:`dghard_cli.score.experts`: the best fine-tune on a target or on a benchmark one improved,
+(:mod:`dghard_cli.scoring.experts`: the best fine-tune on a target or on a benchmark one improved,
 the worst on a skill of the base), the targets count in % retention, there is no target bar
 unless one is given (:func:`effective_bar`), and the ``merges:`` block of the candidate file
 (:mod:`.merges`) makes one strength entry per registered merge method, then follow-ups for the
@@ -52,27 +52,27 @@ from dghard_cli.io.lock import OutLock
 from dghard_cli.io.output import check_out_path
 from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.lora.source import is_adapter, open_ft
-from dghard_cli.score.experts import expert_reference
-from dghard_cli.score.metrics import score_candidates
-from dghard_cli.score.results import MetricRule, ResultFile, Score
-from dghard_cli.sweep import integrity, merges
-from dghard_cli.sweep.cache import Cache, dir_bytes, input_identity, write_json
-from dghard_cli.sweep.candidate_file import check_entry, load_candidates, parse_candidates
-from dghard_cli.sweep.candidates import (  # noqa: F401 (where the reproduction command writes)
+from dghard_cli.scoring.experts import expert_reference
+from dghard_cli.scoring.metrics import score_candidates
+from dghard_cli.scoring.results import MetricRule, ResultFile, Score
+from dghard_cli.sweeping import integrity, merges
+from dghard_cli.sweeping.cache import Cache, dir_bytes, input_identity, write_json
+from dghard_cli.sweeping.candidate_file import check_entry, load_candidates, parse_candidates
+from dghard_cli.sweeping.candidates import (  # noqa: F401 (where the reproduction command writes)
     REPRODUCED_SUFFIX,
     Candidate,
     FamilyEntry,
     degenerate_on_adapters,
     reproduced_out,
 )
-from dghard_cli.sweep.choose import choose_winner, objective, target_ok
-from dghard_cli.sweep.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
-from dghard_cli.sweep.evaluate import check_template
-from dghard_cli.sweep.execution import make_executor, plan_execution
-from dghard_cli.sweep.lines import bind_entries as bind_lines
-from dghard_cli.sweep.report import FRONTIER_PNG, SCHEMA_VERSION, SweepReport  # noqa: F401 (names of the output)
-from dghard_cli.sweep.search import coarse_allotment, coarse_order, next_round
-from dghard_cli.sweep.steps import EvaluationSteps
+from dghard_cli.sweeping.choose import choose_winner, objective, target_ok
+from dghard_cli.sweeping.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
+from dghard_cli.sweeping.evaluate import check_template
+from dghard_cli.sweeping.execution import make_executor, plan_execution
+from dghard_cli.sweeping.lines import bind_entries as bind_lines
+from dghard_cli.sweeping.report import FRONTIER_PNG, SCHEMA_VERSION, SweepReport  # noqa: F401 (names of the output)
+from dghard_cli.sweeping.search import coarse_allotment, coarse_order, next_round
+from dghard_cli.sweeping.steps import EvaluationSteps
 
 SWEEP_REPORT = "sweep_report.json"
 STAGING_SUFFIX = ".dghard-sweep"
@@ -195,7 +195,7 @@ class _Sweep(EvaluationSteps, SweepReport):
         for p in [o.base_results, *o.ft_results]:
             if p is not None and not Path(p).expanduser().exists():
                 raise InputError(f"results {p}: no such file or directory")
-        from dghard_cli.score.results import SCALES
+        from dghard_cli.scoring.results import SCALES
 
         if o.dtype is not None:
             from dghard_cli.io.safetensors_format import parse_dtype_option
@@ -296,7 +296,7 @@ class _Sweep(EvaluationSteps, SweepReport):
 
     # -- scoring
     def ft_reference(self) -> ResultFile | dict[str, Score]:
-        """FT's results; several fine-tunes: each benchmark's expert (:mod:`dghard_cli.score.experts`)."""
+        """FT's results; several fine-tunes: each benchmark's expert (:mod:`dghard_cli.scoring.experts`)."""
         if len(self.ft_rfs) == 1:
             return self.ft_rfs[0]
         if self.expert_ref is None:

@@ -20,7 +20,7 @@ import re
 
 from dghard_cli import numbers
 from dghard_cli.errors import InputError
-from dghard_cli.sweep.command import Template
+from dghard_cli.sweeping.command import Template
 
 #: The most evaluations at a time (``--jobs``): a bound on what the sweep sizes from the option.
 MAX_JOBS = 4096
@@ -102,7 +102,7 @@ def plan_execution(opts) -> tuple[int, list[str]]:  # noqa: ANN001 - SweepOption
                 "--devices is for the local executor; on Ray give each evaluation its GPUs with "
                 "--eval-resources gpu=1 (Ray sets CUDA_VISIBLE_DEVICES for it)"
             )
-        from dghard_cli.sweep.executors import check_address_form, parse_resources
+        from dghard_cli.sweeping.executors import check_address_form, parse_resources
 
         parse_resources(opts.eval_resources or "")
         if opts.ray_address is not None:
@@ -135,15 +135,15 @@ def plan_execution(opts) -> tuple[int, list[str]]:  # noqa: ANN001 - SweepOption
 
 def ray_gpus(eval_resources: str | None) -> float:
     """The GPUs each Ray task asks for in ``--eval-resources`` (0 when none)."""
-    from dghard_cli.sweep.executors import parse_resources
+    from dghard_cli.sweeping.executors import parse_resources
 
     return float(parse_resources(eval_resources or "").get("GPU", 0.0))
 
 
 def make_executor(opts, slots: int):  # noqa: ANN001, ANN201 - SweepOptions, executors.Executor
-    """The executor of the sweep's jobs (:mod:`dghard_cli.sweep.executors`)."""
-    from dghard_cli.sweep.executors import LocalExecutor, RayExecutor, parse_resources
-    from dghard_cli.sweep.jobs import failed_result, run_job
+    """The executor of the sweep's jobs (:mod:`dghard_cli.sweeping.executors`)."""
+    from dghard_cli.sweeping.executors import LocalExecutor, RayExecutor, parse_resources
+    from dghard_cli.sweeping.jobs import failed_result, run_job
 
     def on_error(job, exc: BaseException):  # noqa: ANN001, ANN202
         return failed_result(job, f"the evaluation could not run: {exc}", cacheable=False)

@@ -16,7 +16,7 @@ For each benchmark *k*, with base score *b* and the experts' scores *f_1 … f_n
   the base's level kept, c/b: a merge that loses a skill every expert kept is penalised.
 
 The experts are not asked which benchmark is theirs: the best expert on a benchmark is the one
-it belongs to. With these references, :func:`dghard_cli.score.metrics.score_candidates` scores
+it belongs to. With these references, :func:`dghard_cli.scoring.metrics.score_candidates` scores
 with ``targets_in_retention=True``: % retention is the mean over the improved benchmarks and
 the targets, so HM = harmonic mean of (keeping every expert's gain, keeping the base's skills).
 """
@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 
 from dghard_cli.errors import InputError
-from dghard_cli.score import scales
-from dghard_cli.score.metrics import DEFAULT_MIN_MARGIN, DEFAULT_STDERR_FACTOR, score_candidates
-from dghard_cli.score.results import ResultFile, Score, ScoreLike
+from dghard_cli.scoring import scales
+from dghard_cli.scoring.metrics import DEFAULT_MIN_MARGIN, DEFAULT_STDERR_FACTOR, score_candidates
+from dghard_cli.scoring.results import ResultFile, Score, ScoreLike
 
 
 def _scores(x: ResultFile | Mapping[str, ScoreLike]) -> dict[str, Score]:

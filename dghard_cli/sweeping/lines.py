@@ -24,15 +24,15 @@ shrinker in ``fixed`` (``{shrink: hard, scale: 1.0}``), ``… --lines α,β --sh
 Every probe is a pure function of what has been evaluated (like the golden-section search of the
 other families), so a resumed sweep takes the same steps.
 
-The code is in three modules: :mod:`dghard_cli.sweep.lines_entry` (the candidate file's entry,
-bound to FT's layers), :mod:`dghard_cli.sweep.lines_candidates` (a candidate at a point, its
-command, writing it) and :mod:`dghard_cli.sweep.lines_search` (the refinement). This module
+The code is in three modules: :mod:`dghard_cli.sweeping.lines_entry` (the candidate file's entry,
+bound to FT's layers), :mod:`dghard_cli.sweeping.lines_candidates` (a candidate at a point, its
+command, writing it) and :mod:`dghard_cli.sweeping.lines_search` (the refinement). This module
 re-exports what the sweep and the tests use.
 """
 
 from __future__ import annotations
 
-from dghard_cli.sweep.lines_candidates import (
+from dghard_cli.sweeping.lines_candidates import (
     GroupPoint,
     group_names,
     group_ranges,
@@ -41,8 +41,8 @@ from dghard_cli.sweep.lines_candidates import (
     reproduce_argv,
     write_candidate,
 )
-from dghard_cli.sweep.lines_entry import bind_entries, check_entry, parse_entry
-from dghard_cli.sweep.lines_search import (
+from dghard_cli.sweeping.lines_entry import bind_entries, check_entry, parse_entry
+from dghard_cli.sweeping.lines_search import (
     compass_probe,
     compass_probes,
     entry_points,
