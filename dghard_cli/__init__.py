@@ -40,7 +40,7 @@ _EXPORTS = {
     "AuditOptions": "dghard_cli.audit.auditor",
     "audit_lora": "dghard_cli.audit.auditor",
     "PolicyOptions": "dghard_cli.engine.plan",
-    "RunOptions": "dghard_cli.engine.runner",
+    "RunOptions": "dghard_cli.engine.writer",
     "CheckFailed": "dghard_cli.errors",
     "DGHardError": "dghard_cli.errors",
     "InputError": "dghard_cli.errors",
@@ -60,7 +60,7 @@ _EXPORTS = {
 if _TYPE_CHECKING:  # what static tools see; at run time each name is imported on first use
     from dghard_cli.audit.auditor import AuditOptions, audit_lora
     from dghard_cli.engine.plan import PolicyOptions
-    from dghard_cli.engine.runner import RunOptions
+    from dghard_cli.engine.writer import RunOptions
     from dghard_cli.errors import CheckFailed, DGHardError, InputError, Interrupted, RuntimeFailure
     from dghard_cli.inspection import InspectOptions
     from dghard_cli.merging import MergeOptions, merge

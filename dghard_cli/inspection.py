@@ -28,8 +28,8 @@ from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import JobInputs, base_record
 from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.progress import Progress
-from dghard_cli.engine.runner import inputs_doc
 from dghard_cli.engine.working_memory import check_jobs
+from dghard_cli.engine.writer import inputs_doc
 from dghard_cli.errors import InputError
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.io.paths import Output, check_outputs

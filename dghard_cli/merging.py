@@ -31,11 +31,10 @@ from pathlib import Path
 from dghard_cli.architecture import VOCAB_EMBEDDING
 from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.plan import Eligibility, PolicyOptions, build_plan
-from dghard_cli.engine.runner import RunOptions, write_model
+from dghard_cli.engine.writer import OutputTarget, RunOptions, WriteRequest
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.hub import open_checkpoint
-from dghard_cli.io.output import check_out_path
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 from dghard_cli.lora.output import AdapterOutput, LoraOutputOptions
 from dghard_cli.lora.source import open_ft
@@ -273,12 +272,13 @@ def merge(
         strengths = bind_schedule(opts.schedule, plan, ft_cks[0]) if opts.schedule is not None else None
         timings = {"plan": time.perf_counter() - t0}
         recall_w = None
+        target = None  # OUT, once checked
         extra: dict = {}
         if opts.create_parents and not opts.run.dry_run:
             Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
         if registry.methods()[method].calibrates and not opts.run.dry_run:
-            # refuse a bad OUT before minutes of forward passes (write_model checks it again)
-            check_out_path(Path(out), [base_ck.path, *[f.path for f in ft_cks]], overwrite=opts.run.overwrite)
+            # OUT checked before minutes of forward passes (the writer does not check it again)
+            target = OutputTarget.check(Path(out), opts.run, base_ck, ft_cks)
             t1 = time.perf_counter()
             recall_w = recall_weights(
                 base_ck, ft_cks, opts.recall or RecallOptions(), opts.calib, resolve_device(opts.run.device)
@@ -310,22 +310,6 @@ def merge(
         make_op = op_maker(opts)
         if strengths is not None:
             extra["layer_strengths"] = strengths.report()
-        if output.format == "peft":
-            if opts.create_parents and not opts.run.dry_run:
-                Path(out).expanduser().absolute().parent.mkdir(parents=True, exist_ok=True)
-            core: dict = {}
-            if output.core_kind is not None:
-                core = _core_route(output.core_kind, opts, op_maker)
-            return output.write(
-                out=Path(out),
-                plan=plan,
-                make_op=make_op,
-                run=opts.run,
-                parameters=parameters,
-                strengths=strengths,
-                **core,
-            )
-        parameters.update(output.full_parameters())
 
         def extra_report(records: list[dict]) -> dict:
             out = {**extra, "merge": registry.summary(method, records, p)}
@@ -335,7 +319,7 @@ def merge(
                 out["svc"] = {"alpha": p.get("svc_alpha", svc.SVC_ALPHA), **svc.summary(records)}
             return out
 
-        doc = write_model(
+        request = WriteRequest(
             command="merge",
             method=method,
             parameters=parameters,
@@ -348,10 +332,11 @@ def merge(
             spectral=False,
             extra_report=extra_report,
             timings=timings,
+            strengths=strengths,
+            target=target,
         )
-        if strengths is not None and opts.run.dry_run:  # a dry run's report: the plan and its λ
-            doc["layer_strengths"] = extra["layer_strengths"]
-        return doc
+        core = _core_route(output.core_kind, opts, op_maker) if output.core_kind is not None else {}
+        return output.write(request, **core)
     finally:
         for ck in opened:
             ck.close()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dghard_cli.engine.plan import PolicyOptions, build_plan
-from dghard_cli.engine.runner import RunOptions, write_model
+from dghard_cli.engine.writer import RunOptions, WriteRequest
 from dghard_cli.errors import InputError
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.lora.output import AdapterOutput, LoraOutputOptions
@@ -108,19 +108,10 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             return SpectralFilterOp(spec, device, opts.block_bytes or default_block_bytes(device), opts.route)
 
         run_op = wrap_scheduled(make_op) if strengths is not None else make_op
-        if output.format == "peft":
-            return output.write(
-                out=Path(out),
-                plan=plan,
-                make_op=run_op,
-                run=opts.run,
-                parameters=repair_parameters(opts),
-                strengths=strengths,
-            )
-        doc = write_model(
+        request = WriteRequest(
             command="repair",
             method=method,
-            parameters={**repair_parameters(opts), **output.full_parameters()},
+            parameters=repair_parameters(opts),
             base=base_ck,
             fts=[ft_ck],
             out=Path(out),
@@ -132,10 +123,9 @@ def repair(base: str | Path, ft: str | Path, out: str | Path, options: RepairOpt
             if strengths is not None
             else None,
             timings=timings,
+            strengths=strengths,
         )
-        if strengths is not None and opts.run.dry_run:
-            doc["layer_strengths"] = strengths.report()
-        return doc
+        return output.write(request)
     finally:
         base_ck.close()
         ft_ck.close()

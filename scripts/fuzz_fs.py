@@ -440,7 +440,7 @@ def execute(root: Path) -> None:
         audit_lora(str(root / "adapter"))
         return
     if plan["target"] in ("adapter-out", "adapter-full"):
-        from dghard_cli.engine.runner import RunOptions
+        from dghard_cli.engine.writer import RunOptions
         from dghard_cli.lora.output import LoraOutputOptions
         from dghard_cli.merging import MergeOptions, merge
 
@@ -449,7 +449,7 @@ def execute(root: Path) -> None:
         merge(root / "base", [root / "adapter"], plan["out"], opts)
         return
     from dghard_cli import repair
-    from dghard_cli.engine.runner import RunOptions
+    from dghard_cli.engine.writer import RunOptions
     from dghard_cli.repairing import RepairOptions
 
     opts = RepairOptions(run=RunOptions(report_path=plan["report"]))

@@ -18,7 +18,7 @@ from reference import ref_mp_median, ref_weights
 from scipy import integrate
 
 from dghard_cli.engine.plan import PolicyOptions
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.inspection import InspectOptions, inspect_pair
 from dghard_cli.repairing import RepairOptions, repair

@@ -26,7 +26,7 @@ transformers = pytest.importorskip("transformers")
 from peft import LoraConfig, PeftModel, get_peft_model  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-from dghard_cli.engine.runner import RunOptions  # noqa: E402
+from dghard_cli.engine.writer import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.io.hub import open_checkpoint  # noqa: E402
 from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402

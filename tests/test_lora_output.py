@@ -129,7 +129,7 @@ def test_adapter_view_reads_in_blocks_the_same(tmp_path, monkeypatch):
 
 def test_large_updates_spill_to_disk_and_give_the_same_adapter(tmp_path, monkeypatch):
     import dghard_cli.lora.route_factored as factored
-    from dghard_cli.engine.runner import RunOptions
+    from dghard_cli.engine.writer import RunOptions
     from dghard_cli.lora.output import LoraOutputOptions
     from dghard_cli.repairing import RepairOptions, repair
     from dghard_cli.testing.synthetic import ArchConfig, make_pair

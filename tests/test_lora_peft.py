@@ -37,7 +37,7 @@ from transformers import (  # noqa: E402
 )
 
 from dghard_cli.audit.auditor import audit_lora  # noqa: E402
-from dghard_cli.engine.runner import RunOptions  # noqa: E402
+from dghard_cli.engine.writer import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.inspection import InspectOptions, inspect_pair  # noqa: E402
 from dghard_cli.lora.config import KNOWN_KEYS  # noqa: E402

@@ -17,7 +17,7 @@ from conftest import f64, load_dir
 from reference import rel
 
 from dghard_cli.engine.plan import PolicyOptions
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merging import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import breadcrumbs as bc_mod

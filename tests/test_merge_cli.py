@@ -16,7 +16,7 @@ from reference import ref_filter, rel
 from typer.testing import CliRunner
 
 from dghard_cli.cli import app
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.merging import MergeOptions, merge

@@ -15,7 +15,7 @@ from reference import ref_filter, rel
 
 from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import PolicyOptions, build_plan
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.io.hub import open_checkpoint
 from dghard_cli.merging import MergeOptions, _make_op, merge, merge_eligibility, resolve_parameters
 from dghard_cli.methods import dare as dare_mod

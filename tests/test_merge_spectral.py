@@ -24,7 +24,7 @@ import torch
 from conftest import f64, load_dir, run_dghard
 from safetensors.torch import load_file
 
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.merging import MergeOptions, merge

@@ -12,7 +12,7 @@ import pytest
 from conftest import f64, load_dir, run_dghard
 from reference import rel
 
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merging import MergeOptions, merge
 from dghard_cli.testing.synthetic import ArchConfig, make_pair

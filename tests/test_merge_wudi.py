@@ -25,7 +25,7 @@ from test_merge_spectral import (
     run,
 )
 
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.schedule.spec import LayerSchedule
 

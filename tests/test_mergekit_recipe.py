@@ -22,7 +22,7 @@ from reference import rel
 from typer.testing import CliRunner
 
 from dghard_cli.cli import app
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.methods.dare import CHUNK
 from dghard_cli.recipes.mergekit import translate

@@ -209,7 +209,7 @@ def test_the_graph_sees_the_package():
     """The walk reads real edges (a graph with none would pass the test above trivially)."""
     graph = import_graph(PACKAGE_ROOT)
     assert len(graph) > 100
-    assert "dghard_cli.engine.runner" in graph["dghard_cli.merging"]
+    assert "dghard_cli.engine.writer" in graph["dghard_cli.merging"]
     assert "dghard_cli.errors" in graph["dghard_cli.repairing"]
 
 

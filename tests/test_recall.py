@@ -16,7 +16,7 @@ import torch
 from conftest import REPO, f64, load_dir
 from reference import rel
 
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.merging import MergeOptions, merge
 from dghard_cli.methods import calibration

@@ -167,7 +167,7 @@ def test_a_corrupted_journaled_shard_is_recomputed(tmp_path):
     out = tmp_path / "out"
     # simulate an interrupted run: journal two shards, one of which was damaged on disk
     from dghard_cli.engine.plan import PolicyOptions, build_plan
-    from dghard_cli.engine.runner import fingerprint
+    from dghard_cli.engine.writer import fingerprint
     from dghard_cli.io.hub import open_checkpoint
     from dghard_cli.io.output import file_sha256
     from dghard_cli.repairing import repair_parameters
@@ -241,7 +241,7 @@ def test_a_resumed_run_says_so_on_stderr_and_in_the_report(tmp_path):
     from conftest import run_dghard
 
     from dghard_cli.engine.plan import PolicyOptions, build_plan
-    from dghard_cli.engine.runner import fingerprint
+    from dghard_cli.engine.writer import fingerprint
     from dghard_cli.io.hub import open_checkpoint
     from dghard_cli.io.output import file_sha256
     from dghard_cli.repairing import repair_parameters

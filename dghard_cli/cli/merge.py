@@ -234,7 +234,7 @@ def merge_cmd(**kw) -> None:
 
         if out is not None:
             precheck_out(out, overwrite=kw["overwrite"])  # before seconds of imports
-        from dghard_cli.engine.runner import RunOptions
+        from dghard_cli.engine.writer import RunOptions
         from dghard_cli.merging import merge
         from dghard_cli.recipes.options import Given, merge_call
         from dghard_cli.recipes.recipe import load_recipe

@@ -147,7 +147,7 @@ def repair_cmd(
         precheck_out(out, overwrite=overwrite)  # before seconds of imports
         from dghard_cli.cli.render import is_adapter_doc, render_adapter, render_plan, render_report
         from dghard_cli.engine.plan import PolicyOptions, parse_size
-        from dghard_cli.engine.runner import RunOptions
+        from dghard_cli.engine.writer import RunOptions
         from dghard_cli.io.safetensors_format import parse_dtype_option
         from dghard_cli.repairing import RepairOptions, repair
         from dghard_cli.schedule.spec import schedule_from_options

@@ -23,7 +23,7 @@ REPORT_EPILOG = """
 
 def load_report(path: str | Path) -> tuple[Path, dict]:
     """A ``dghard_report.json`` (or the directory holding one), checked for the schema."""
-    from dghard_cli.engine.runner import REPORT_NAME
+    from dghard_cli.engine.writer import REPORT_NAME
     from dghard_cli.io.checkpoint import path_exists, read_json_file
     from dghard_cli.io.files import REPORT_LIMIT
     from dghard_cli.report.build import SCHEMA_VERSION

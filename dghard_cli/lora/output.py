@@ -48,21 +48,13 @@ from pathlib import Path
 
 import torch
 
-from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp
-from dghard_cli.engine.plan import Plan, TensorJob
-from dghard_cli.engine.runner import (
-    RunOptions,
-    check_report_path,
-    fingerprint,
-    inputs_doc,
-    plan_records,
-    report_target,
-    write_report_outside,
-)
-from dghard_cli.errors import InputError, Interrupted, RuntimeFailure
+from dghard_cli.engine.plan import TensorJob
+from dghard_cli.engine.runner import CheckpointKind
+from dghard_cli.engine.writer import OutputKind, OutputTarget, WriteRequest, dry_run_report, write_output
+from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
-from dghard_cli.io.output import check_out_path
+from dghard_cli.io.output import OutputStage
 from dghard_cli.io.report_json import json_text
 from dghard_cli.lora.assemble import assemble
 from dghard_cli.lora.card import adapter_card
@@ -380,33 +372,51 @@ class AdapterOutput:
         """What a full-checkpoint run adds to its report parameters: the merge of adapter inputs."""
         return {"merge": True, "output_format": "full"} if self.adapter_inputs or self.lora.merge else {}
 
-    # -- the adapter ------------------------------------------------------------------------------
-    def write(
+    # -- the output -----------------------------------------------------------------------------
+    def kind(
         self,
         *,
-        out: Path,
-        plan: Plan,
-        make_op: Callable[[torch.device], TensorOp],
-        run: RunOptions,
-        parameters: dict,
-        strengths=None,  # a bound layer-strength schedule (dghard_cli/schedule/), or None
         make_core_op: Callable[[torch.device], TensorOp] | None = None,  # --core-space: the op for cores
         core_rule: Callable[[TensorJob], bool] | None = None,  # --core-space: the modules merged so
-    ) -> dict:
-        """Write the run's result as a PEFT adapter into OUT; returns the report document.
+    ) -> OutputKind:
+        """The kind of output this run writes: a PEFT adapter or a full checkpoint."""
+        if self.format == "peft":
+            return AdapterKind(self, make_core_op=make_core_op, core_rule=core_rule)
+        return CheckpointKind(self.full_parameters())
 
-        With ``strengths`` the exact route scales each module's B (and each full tensor's update) by
-        its λ(ℓ); the factored route gets the schedule through ``make_op`` (``schedule.wrap``)."""
-        t_start = time.perf_counter()
-        run_coefficients = self.coefficients
-        layer_strengths: dict[str, tuple] = {}
-        if strengths is not None and self.coefficients is not None:
-            layer_strengths = {j.name: (j.layer, j.strength) for j in plan.jobs if j.strength is not None}
-            lam = {name: strength for name, (_, strength) in layer_strengths.items()}
-            run_coefficients = scheduled_coefficients(self.coefficients, lam, strengths)
-        schedule_doc = {"layer_strengths": strengths.report()} if strengths is not None else {}
-        base, fts = self.base, self.fts
-        for j in plan.jobs:
+    def write(self, req: WriteRequest, **core) -> dict:
+        """Write the run ``req`` describes in this run's format; returns the report document."""
+        return write_output(req, self.kind(**core))
+
+    def tokenizer_dirs(self) -> list[Path]:
+        return [f.path for f in self.fts[:1]]
+
+
+class AdapterKind:
+    """A run's result written as a PEFT adapter: the adapter kind of the one writer
+    (:func:`~dghard_cli.engine.writer.write_output`).
+
+    With a layer-strength schedule (``req.strengths``) the exact route scales each module's B
+    (and each full tensor's update) by its λ(ℓ); the factored route gets the schedule through
+    ``req.make_op`` (``schedule.wrap``)."""
+
+    unit = "modules"
+
+    def __init__(
+        self,
+        decision: AdapterOutput,
+        *,
+        make_core_op: Callable[[torch.device], TensorOp] | None,
+        core_rule: Callable[[TensorJob], bool] | None,
+    ) -> None:
+        self.t_start = time.perf_counter()
+        self.decision = decision
+        self.make_core_op, self.core_rule = make_core_op, core_rule
+        self.route = "exact" if decision.exact else "core-space" if decision.core_kind else "factored"
+
+    def prepare(self, req: WriteRequest, device: torch.device) -> set[str]:
+        """An adapter cannot resize BASE's vocabulary or add tensors; the names OUT gets."""
+        for j in req.plan.jobs:
             if j.action == "resized":
                 raise InputError(
                     f"--format peft: tensor {j.name!r} was resized ({j.base.shape[0] if j.base else '?'} -> "
@@ -417,134 +427,107 @@ class AdapterOutput:
                     f"--format peft: tensor {j.name!r} is in the fine-tune but not in BASE; an adapter cannot "
                     "add parameters — write a full checkpoint"
                 )
-        device = resolve_device(run.device)
-        parameters = {**parameters, **self.lora.describe(), "output_format": "peft"}
-        path = "exact" if self.exact else "core-space" if self.core_kind else "factored"
-        parameters["adapter_route"] = path
-        if self.core_kind is not None:
-            parameters["core_space_merge"] = self.core_kind
-        common = dict(
-            command=self.command,
-            argv=run.argv,
-            inputs=inputs_doc(base, fts),
-            method=self.method,
-            parameters=parameters,
-            device=report_mod.device_info(device, run.device),
-            notes=list(plan.notes),
-            spectral=self.spec is not None and path == "factored",
-        )
-        check_out_path(Path(out), [base.path, *[f.path for f in fts]], overwrite=run.overwrite)
-        rel_report, abs_report = report_target(Path(out), run.report_path)
-        tokenizer = set().union(*(tokenizer_files(d) for d in self._tokenizer_dirs()))
-        check_report_path(Path(out), run.report_path, base, fts, set(ADAPTER_FILES) | tokenizer)
-        if run.dry_run:
-            doc = report_mod.build_report(
-                output={
-                    "path": str(out),
-                    "format": "peft",
-                    "dry_run": True,
-                    "full_checkpoint_bytes": plan.out_bytes,
-                },
-                timings={"total": time.perf_counter() - t_start},
-                memory=report_mod.peak_memory(),
-                records=plan_records(plan),
-                **common,
-            )
-            doc["summary"]["dry_run"] = True
-            doc.update(schedule_doc)
-            return doc
-        fp = fingerprint(self.command, self.method, parameters, plan, [base, *fts])
-        stage = AdapterStage(
-            Path(out),
-            fp,
-            resume=run.resume,
-            inputs=[base.path, *[f.path for f in fts]],
-            overwrite=run.overwrite,
-        )
+        tokenizer = set().union(*(tokenizer_files(d) for d in self.decision.tokenizer_dirs()))
+        return set(ADAPTER_FILES) | tokenizer
+
+    def parameters(self, req: WriteRequest) -> dict:
+        d = self.decision
+        parameters = {**req.parameters, **d.lora.describe(), "output_format": "peft"}
+        parameters["adapter_route"] = self.route
+        if d.core_kind is not None:
+            parameters["core_space_merge"] = d.core_kind
+        return parameters
+
+    def spectral(self, req: WriteRequest) -> bool:
+        return self.decision.spec is not None and self.route == "factored"
+
+    def _schedule_doc(self, req: WriteRequest) -> dict:
+        return {"layer_strengths": req.strengths.report()} if req.strengths is not None else {}  # type: ignore[attr-defined]
+
+    def dry_run(self, req: WriteRequest, common: dict) -> dict:
+        output = {
+            "path": str(req.out),
+            "format": "peft",
+            "dry_run": True,
+            "full_checkpoint_bytes": req.plan.out_bytes,
+        }
+        return dry_run_report(req, output, common, {"total": time.perf_counter() - self.t_start})
+
+    def open_stage(self, req: WriteRequest, fp: str) -> OutputStage:
+        self.stage = AdapterStage(req.out, fp, resume=req.run.resume, overwrite=req.run.overwrite)
+        return self.stage.stage
+
+    def write(self, req: WriteRequest, target: OutputTarget, common: dict, device: torch.device) -> dict:
+        """Compute the units (exact or factored route), refuse a cut nobody asked for, assemble
+        PEFT's layout and write it with its report and model card."""
+        d, stage, plan = self.decision, self.stage, req.plan
+        run_coefficients = d.coefficients
+        layer_strengths: dict[str, tuple] = {}
+        if req.strengths is not None and d.coefficients is not None:
+            layer_strengths = {j.name: (j.layer, j.strength) for j in plan.jobs if j.strength is not None}
+            lam = {name: strength for name, (_, strength) in layer_strengths.items()}
+            run_coefficients = scheduled_coefficients(d.coefficients, lam, req.strengths)
         ctx = RouteContext(
-            base=base,
-            fts=tuple(fts),
-            exact=self.exact,
-            rank=self.lora.rank,
-            factor_dtype=self.out_dtype or "F32",
-            out_dtype=self.out_dtype,
+            base=d.base,
+            fts=tuple(d.fts),
+            exact=d.exact,
+            rank=d.lora.rank,
+            factor_dtype=d.out_dtype or "F32",
+            out_dtype=d.out_dtype,
             coefficients=run_coefficients,
             layer_strengths=layer_strengths,
-            input_ranks=input_ranks(fts),
-            core_rule=core_rule,
-            core_kind=self.core_kind,
-            skip_untouched=self.command == "merge",
+            input_ranks=input_ranks(d.fts),
+            core_rule=self.core_rule,
+            core_kind=d.core_kind,
+            skip_untouched=d.command == "merge",
         )
-        written: dict = {}  # the report document, once documents() has built it
         timings: dict = {}
         t0 = time.perf_counter()
-        try:
-            if self.exact:
-                units = exact_units(ctx, stage)
-            else:
-                core_op = make_core_op(device) if make_core_op is not None and core_rule is not None else None
-                units = factored_units(ctx, stage, plan, make_op(device), device, run, core_op)
-            timings["compute"] = time.perf_counter() - t0
-            t1 = time.perf_counter()
-            records = [rec for _, rec in units]
-            account = energy_account(records)
-            if not account["exact"] and self.lora.cut_asked is None:
-                why = f" (DoRA cannot stay DoRA here: {self.dora_blocker})" if self.dora_blocker else ""
-                raise InputError(lossy_message(account, records, _cap_description(ctx)) + why)
-            items, config, summary = assemble(ctx, stage, units)
-            summary.update(account)
-            summary["cut_by"] = None if account["exact"] else self.lora.cut_asked
+        if d.exact:
+            units = exact_units(ctx, stage)
+        else:
+            use_core = self.make_core_op is not None and self.core_rule is not None
+            core_op = self.make_core_op(device) if use_core else None  # type: ignore[misc]
+            units = factored_units(ctx, stage, plan, req.make_op(device), device, req.run, core_op)
+        timings["compute"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        records = [rec for _, rec in units]
+        account = energy_account(records)
+        if not account["exact"] and d.lora.cut_asked is None:
+            why = f" (DoRA cannot stay DoRA here: {d.dora_blocker})" if d.dora_blocker else ""
+            raise InputError(lossy_message(account, records, _cap_description(ctx)) + why)
+        items, config, summary = assemble(ctx, stage, units)
+        summary.update(account)
+        summary["cut_by"] = None if account["exact"] else d.lora.cut_asked
+        written: dict = {}  # the report document, once documents() has built it
 
-            def documents(output: dict) -> dict[str, str]:
-                timings["write"] = time.perf_counter() - t1
-                timings["total"] = time.perf_counter() - t_start
-                summary["bytes"] = output["bytes"]
-                summary["full_checkpoint_bytes"] = plan.out_bytes
-                summary["size_ratio"] = output["bytes"] / plan.out_bytes if plan.out_bytes else None
-                doc = report_mod.build_report(
-                    output={
-                        "path": str(out),
-                        "format": "peft",
-                        "resumed_units": len(stage.stage.resumed),
-                        **output,
-                    },
-                    timings=timings,
-                    memory=report_mod.peak_memory(device),
-                    records=records,
-                    extra={"adapter": summary, "adapter_config": config, **schedule_doc},
-                    **common,
-                )
-                written["doc"] = doc
-                docs = {"README.md": adapter_card(doc)}
-                if rel_report is not None:  # the default OUT/dghard_report.json, or --report inside OUT
-                    docs[rel_report] = json_text(doc)
-                return docs
+        def documents(output: dict) -> dict[str, str]:
+            timings["write"] = time.perf_counter() - t1
+            timings["total"] = time.perf_counter() - self.t_start
+            summary["bytes"] = output["bytes"]
+            summary["full_checkpoint_bytes"] = plan.out_bytes
+            summary["size_ratio"] = output["bytes"] / plan.out_bytes if plan.out_bytes else None
+            doc = report_mod.build_report(
+                output={
+                    "path": str(req.out),
+                    "format": "peft",
+                    "resumed_units": len(stage.stage.resumed),
+                    **output,
+                },
+                timings=timings,
+                memory=report_mod.peak_memory(device),
+                records=records,
+                extra={"adapter": summary, "adapter_config": config, **self._schedule_doc(req)},
+                **common,
+            )
+            written["doc"] = doc
+            docs = {"README.md": adapter_card(doc)}
+            if target.rel_report is not None:  # the default OUT/dghard_report.json, or --report inside OUT
+                docs[target.rel_report] = json_text(doc)
+            return docs
 
-            stage.finish(items, config=config, tokenizer_dirs=self._tokenizer_dirs(), documents=documents)
-        except KeyboardInterrupt:
-            raise Interrupted(
-                f"interrupted; finished modules are kept in {stage.dir}",
-                hint="run the same command again to resume",
-            ) from None
-        except InputError:
-            stage.discard()
-            raise
-        except MemoryError:
-            raise RuntimeFailure(
-                f"out of memory; finished modules are kept in {stage.dir}", hint="rerun the same command"
-            ) from None
-        except OSError as exc:
-            raise RuntimeFailure(
-                f"I/O error ({exc.strerror or exc}); finished modules are kept in {stage.dir}",
-                hint="fix the cause (disk full?) and run the same command again to resume",
-            ) from None
-        finally:  # OUT's lock goes with the run, whatever ended it (finish() released it already)
-            stage.stage.lock.release()
-        write_report_outside(Path(out), abs_report, written["doc"])
+        stage.finish(items, config=config, tokenizer_dirs=d.tokenizer_dirs(), documents=documents)
         return written["doc"]
-
-    def _tokenizer_dirs(self) -> list[Path]:
-        return [f.path for f in self.fts[:1]]
 
 
 def _cap_description(ctx: RouteContext) -> str:

@@ -26,7 +26,7 @@ import torch
 from dghard_cli.architecture import POSITION_TABLE
 from dghard_cli.engine.ops import JobInputs, TensorOp, base_record
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import TensorInfo
 from dghard_cli.lora.assemble import lora_factors

@@ -29,7 +29,7 @@ from dghard_cli.architecture import POSITION_TABLE
 from dghard_cli.engine.ops import JobInputs, TensorOp, base_record, passthrough
 from dghard_cli.engine.pipeline import EngineOptions
 from dghard_cli.engine.plan import Plan, TensorJob
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import FileReader
 from dghard_cli.io.safetensors_format import torch_dtype

@@ -35,7 +35,7 @@ import torch
 
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import TensorInfo
-from dghard_cli.io.output import OutputStage, ShardRecord, check_out_path, file_sha256
+from dghard_cli.io.output import OutputStage, ShardRecord, file_sha256
 from dghard_cli.io.safetensors_format import DTYPES
 from dghard_cli.lora.adapter import ADAPTER_WEIGHTS, PEFT_PREFIX, AdapterWeights
 from dghard_cli.lora.config import ADAPTER_CONFIG
@@ -181,10 +181,8 @@ def check_finite_output(key: str, t: torch.Tensor, record: dict) -> None:
 class AdapterStage:
     """The staging directory of an adapter output: spooled units, then the adapter's files."""
 
-    def __init__(
-        self, out: Path, fingerprint: str, *, resume: bool | None, inputs: list[Path], overwrite: bool
-    ):
-        check_out_path(Path(out), inputs, overwrite=overwrite)
+    def __init__(self, out: Path, fingerprint: str, *, resume: bool | None, overwrite: bool):
+        """OUT was checked by the writer (:class:`~dghard_cli.engine.writer.OutputTarget`)."""
         self.out = Path(out)
         self.overwrite = overwrite
         self.stage = OutputStage(Path(out), fingerprint, resume=resume)

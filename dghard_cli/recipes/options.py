@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from dghard_cli.engine.plan import PolicyOptions, parse_size
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.io.safetensors_format import parse_dtype_option

@@ -15,7 +15,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from dghard_cli.engine.plan import PolicyOptions
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.io.safetensors_format import dtype_flag

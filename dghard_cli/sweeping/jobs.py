@@ -115,7 +115,7 @@ def failed_result(job: Job, message: str, *, cacheable: bool, status: str = "fai
 
 def _merge_adapter(base: str, adapter: str, target: Path, device: str) -> Path:
     """A LoRA adapter of BASE as the full checkpoint an evaluation can load (BASE + ΔW)."""
-    from dghard_cli.engine.runner import RunOptions
+    from dghard_cli.engine.writer import RunOptions
     from dghard_cli.lora.output import LoraOutputOptions
     from dghard_cli.merging import MergeOptions, merge
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from dghard_cli.architecture import place_depth
 from dghard_cli.engine.plan import PolicyOptions
-from dghard_cli.engine.runner import RunOptions
+from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
 from dghard_cli.lora.output import LoraOutputOptions
 from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
