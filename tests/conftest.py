@@ -272,3 +272,19 @@ def three_fine_tunes(tmp_path_factory) -> dict:
         "base": load_dir(base),
         "fts": [load_dir(p) for p in (ft1, ft2, ft3)],
     }
+
+
+def count_out_checks(monkeypatch) -> list[str]:
+    """Every module of the package that holds ``check_out_path`` gets a counting one."""
+    calls: list[str] = []
+    for name, mod in list(sys.modules.items()):
+        real = getattr(mod, "check_out_path", None) if name.startswith("dghard_cli") else None
+        if real is None:
+            continue
+
+        def counted(*a, _real=real, **k):
+            calls.append(str(a[0]))
+            return _real(*a, **k)
+
+        monkeypatch.setattr(mod, "check_out_path", counted)
+    return calls

@@ -101,6 +101,17 @@ def test_recall_end_to_end_two_finetunes(lm, tmp_path):
     assert written["recall"]["layers"] == rc["layers"]
 
 
+def test_recall_checks_out_once(lm, tmp_path, monkeypatch):
+    """OUT is checked before the forward passes, and not again when the merge is written (three
+    times before the one writer)."""
+    from conftest import count_out_checks
+
+    calls = count_out_checks(monkeypatch)
+    opts = MergeOptions(method="recall", run=RunOptions(device="cpu", quiet=True))
+    merge(lm["base"], lm["fts"][:1], tmp_path / "o", opts)
+    assert calls == [str(tmp_path / "o")]
+
+
 def test_recall_one_finetune(lm, tmp_path):
     """One fine-tune: α_ft = 1 / (1 + exp((K(base, ft) − 1)/T)) per layer, in [½, 1)."""
     out = tmp_path / "o"

@@ -3,10 +3,9 @@ each done once, and the same exception → exit-code table."""
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 import torch
+from conftest import count_out_checks
 
 from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import RuntimeFailure
@@ -30,22 +29,6 @@ def inputs(tmp_path_factory):
     return base, ft, ads
 
 
-def _count_out_checks(monkeypatch) -> list[str]:
-    """Every module of the package that holds ``check_out_path`` gets a counting one."""
-    calls: list[str] = []
-    for name, mod in list(sys.modules.items()):
-        real = getattr(mod, "check_out_path", None) if name.startswith("dghard_cli") else None
-        if real is None:
-            continue
-
-        def counted(*a, _real=real, **k):
-            calls.append(str(a[0]))
-            return _real(*a, **k)
-
-        monkeypatch.setattr(mod, "check_out_path", counted)
-    return calls
-
-
 @pytest.mark.parametrize("kind", ["checkpoint", "adapter", "adapter-factored"])
 def test_out_is_checked_once_whatever_the_kind(inputs, tmp_path, monkeypatch, kind):
     """OUT's path rule ran twice for an adapter (its writer and its staging directory) before the
@@ -53,7 +36,7 @@ def test_out_is_checked_once_whatever_the_kind(inputs, tmp_path, monkeypatch, ki
     import dghard_cli.lora.writer  # noqa: F401  (loaded, so its name is counted too)
 
     base, ft, ads = inputs
-    calls = _count_out_checks(monkeypatch)
+    calls = count_out_checks(monkeypatch)
     run = RunOptions(quiet=True, device="cpu")
     if kind == "checkpoint":
         doc = merge(
