@@ -42,6 +42,8 @@ from dghard_cli.methods import registry
 from dghard_cli.methods.calibration import RecallOptions, recall_weights
 from dghard_cli.methods.merge_ops import WHOLE_BYTES
 from dghard_cli.methods.per_tensor import PerTensorOp, TensorParameterSource, tensor_parameter_sets
+from dghard_cli.numbers import flag_value
+from dghard_cli.repairing import output_flags
 from dghard_cli.schedule.bind import bind as bind_schedule
 from dghard_cli.schedule.op import wrap as wrap_scheduled
 from dghard_cli.schedule.spec import LayerSchedule
@@ -81,6 +83,21 @@ class MergeOptions:
     #: ``base``: a mergekit recipe's ``tokenizer_source: base``, a no-op when every model shares
     #: BASE's vocabulary (checked; refused otherwise)
     tokenizer_source: str | None = None
+
+
+def merge_argv(base: str, fts: list[str], out: str, opts: MergeOptions) -> list[str]:
+    """The ``dghard merge`` command line that runs ``merge(base, fts, out, opts)``: the method,
+    every parameter given (the registry's order), the schedule, ``--dtype``, ``--merge`` and
+    ``--device`` (what a sweep candidate sets; the other options at their defaults). Parsing it
+    gives ``opts`` back (tests/test_sweep_families.py)."""
+    argv = ["dghard", "merge", "--method", opts.method]
+    for q in registry.carried_params():
+        v = registry.given_value(opts, q)
+        if v is not None:
+            argv += [q.cli_flag, flag_value(v) if q.scalar else str(v)]
+    if opts.schedule is not None:
+        argv += opts.schedule.argv()
+    return argv + [base, *fts, "--out", out] + output_flags(opts.policy, opts.lora, opts.run)
 
 
 def vocabulary_size(ck: Checkpoint) -> int | None:

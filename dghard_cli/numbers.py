@@ -37,3 +37,13 @@ def index(text: str, what: str) -> int:
     if len(t) > MAX_INDEX_DIGITS:
         raise InputError(f"{what}: a {len(t)}-digit index; no machine has that many")
     return int(t)
+
+
+def flag_value(v: object) -> str:
+    """A value as a command line spells it: a float by ``repr`` (it reads back to the same
+    float), a list or tuple comma-joined, anything else by ``str``."""
+    if isinstance(v, (list, tuple)):
+        return ",".join(flag_value(x) for x in v)
+    if isinstance(v, float):
+        return repr(v)
+    return str(v)

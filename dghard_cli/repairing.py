@@ -17,9 +17,11 @@ from dghard_cli.engine.plan import PolicyOptions, build_plan
 from dghard_cli.engine.writer import RunOptions, WriteRequest
 from dghard_cli.errors import InputError
 from dghard_cli.io.hub import open_checkpoint
+from dghard_cli.io.safetensors_format import dtype_flag
 from dghard_cli.lora.output import AdapterOutput, LoraOutputOptions
 from dghard_cli.lora.source import open_ft
 from dghard_cli.methods.dg_hard import SpectralFilterOp, default_block_bytes
+from dghard_cli.numbers import flag_value
 from dghard_cli.schedule.bind import bind as bind_schedule
 from dghard_cli.schedule.bind import scheduled_eligibility
 from dghard_cli.schedule.op import wrap as wrap_scheduled
@@ -38,6 +40,32 @@ class RepairOptions:
     route: str = "auto"  # auto | gram64 | qr32 (see spectral.choose_route)
     schedule: LayerSchedule | None = None  # --lines / --layer-strengths
     lora: LoraOutputOptions = field(default_factory=LoraOutputOptions)  # --format/--merge/--rank
+
+
+def repair_argv(base: str, ft: str, out: str, opts: RepairOptions) -> list[str]:
+    """The ``dghard repair`` command line that runs ``repair(base, ft, out, opts)``: the filter,
+    the schedule, ``--dtype``, ``--merge`` and ``--device`` (what a sweep candidate sets; the
+    other options at their defaults). Parsing it gives ``opts`` back (tests/test_sweep_families.py)."""
+    argv = ["dghard", "repair", base, ft, out]
+    if opts.schedule is not None:
+        argv += opts.schedule.argv()
+    spec = opts.spec
+    if spec is not None:
+        argv += ["--shrink", spec.shrink, "--scale", flag_value(spec.scale)]
+        if spec.shrink == "twoknob":
+            argv += ["--a", flag_value(spec.a), "--b", flag_value(spec.b)]
+        if spec.noise != "median":
+            argv += ["--noise", spec.noise] + (
+                ["--sigma", flag_value(spec.sigma)] if spec.sigma is not None else []
+            )
+    return argv + output_flags(opts.policy, opts.lora, opts.run)
+
+
+def output_flags(policy: PolicyOptions, lora: LoraOutputOptions, run: RunOptions) -> list[str]:
+    """``--dtype``, ``--merge`` and ``--device`` as given (the tail of a reproduction command)."""
+    argv = ["--dtype", dtype_flag(policy.out_dtype)] if policy.out_dtype is not None else []
+    argv += ["--merge"] if lora.merge else []
+    return argv + (["--device", run.device] if run.device != "auto" else [])
 
 
 def repair_parameters(opts: RepairOptions) -> dict:

@@ -19,7 +19,7 @@ from dghard_cli.merging import MergeOptions, merge, resolve_parameters
 from dghard_cli.methods import registry
 from dghard_cli.recipes.recipe import top_keys
 from dghard_cli.sweeping.candidates import Candidate
-from dghard_cli.sweeping.family_dispatch import reproduce_argv
+from dghard_cli.sweeping.families import reproduce_argv
 from dghard_cli.testing.synthetic import ArchConfig, make_pair
 
 CFG = ArchConfig(hidden_size=32, intermediate_size=80, num_hidden_layers=2, vocab_size=128)

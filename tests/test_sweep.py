@@ -18,7 +18,7 @@ from reference import ref_weights
 
 from dghard_cli.errors import InputError
 from dghard_cli.sweeping.candidate_file import load_candidates, parse_candidates
-from dghard_cli.sweeping.family_dispatch import make_candidate
+from dghard_cli.sweeping.families import make_candidate
 from dghard_cli.sweeping.run import SweepOptions, staging_path, sweep
 from dghard_cli.sweeping.search import coarse_allotment, coarse_order, next_round, refine_probe, refine_probes
 from dghard_cli.testing.synthetic import ArchConfig, DeltaModel, decoder_tensors, make_pair, signal_and_noise
@@ -787,7 +787,7 @@ def test_every_family_is_reproduced_by_its_printed_command(pair, tmp_path, entry
     from typer.testing import CliRunner
 
     from dghard_cli.cli import app
-    from dghard_cli.sweeping.family_dispatch import reproduce_argv, write_candidate
+    from dghard_cli.sweeping.families import reproduce_argv, write_candidate
 
     fts = [str(pair.ft)]
     if n_fts == 2:

@@ -259,7 +259,7 @@ def test_an_svc_follow_up_of_adapters_is_written_as_the_full_merge(swept):
     from dghard_cli.io.checkpoint import Checkpoint
     from dghard_cli.lora.source import open_ft
     from dghard_cli.sweeping.candidates import FamilyEntry
-    from dghard_cli.sweeping.family_dispatch import make_candidate, writes_adapter
+    from dghard_cli.sweeping.families import make_candidate, writes_adapter
 
     root, _, _ = swept
     base = Checkpoint(root / "base", label="BASE")

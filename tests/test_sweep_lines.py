@@ -15,7 +15,7 @@ from test_sweep import BUDGET, Pair, ref_hm, ref_layer_strength
 from dghard_cli.errors import InputError
 from dghard_cli.sweeping import lines as L
 from dghard_cli.sweeping.candidate_file import parse_candidates
-from dghard_cli.sweeping.family_dispatch import make_candidate, reproduce_argv, write_candidate
+from dghard_cli.sweeping.families import make_candidate, reproduce_argv, write_candidate
 from dghard_cli.sweeping.run import SweepOptions, staging_path, sweep
 from dghard_cli.sweeping.search import coarse_order, next_round
 

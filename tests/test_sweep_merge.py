@@ -358,7 +358,7 @@ def test_a_lines_merge_candidate_is_written_by_its_printed_command(experts, tmp_
     from typer.testing import CliRunner
 
     from dghard_cli.cli import app
-    from dghard_cli.sweeping.family_dispatch import make_candidate, reproduce_argv, write_candidate
+    from dghard_cli.sweeping.families import make_candidate, reproduce_argv, write_candidate
     from dghard_cli.sweeping.lines_candidates import LinesEntry
 
     ta = make_candidate(_entry("task-arithmetic", "lambda"), 0.4, n_fts=3)
@@ -519,7 +519,7 @@ def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
     from dghard_cli.io.checkpoint import Checkpoint
     from dghard_cli.sweeping import merges
     from dghard_cli.sweeping.candidate_file import load_candidates
-    from dghard_cli.sweeping.family_dispatch import make_candidate, reproduce_argv
+    from dghard_cli.sweeping.families import make_candidate, reproduce_argv
 
     entries, _ = load_candidates(None)
     (ties,) = [e for e in entries if e.family == "ties" and e.origin == "merges"]

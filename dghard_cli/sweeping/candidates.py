@@ -23,7 +23,8 @@ lines              repair     λ(ℓ) = α + β·ℓ/(L−1) on every layer (LiN
 =================  =========  ================================================  ==============
 
 The ``lines`` family is two-dimensional and lives in :mod:`dghard_cli.sweeping.lines`; a
-candidate of any family is made, reproduced and written by :mod:`dghard_cli.sweeping.family_dispatch`. With several fine-tunes the
+candidate of any family is made, reproduced and written by its family
+(:mod:`dghard_cli.sweeping.families`). With several fine-tunes the
 candidate file's ``merges:`` block (:mod:`dghard_cli.sweeping.merges`) makes one entry per
 registered merge method and, for the best merge, follow-ups: its density, and the merge under
 ``--lines α,β`` (a merge candidate whose parameters carry ``lines``).
@@ -36,7 +37,7 @@ import shlex
 from dataclasses import dataclass, field
 
 from dghard_cli.methods import registry
-from dghard_cli.numbers import is_finite_number
+from dghard_cli.numbers import flag_value, is_finite_number
 
 #: Probes found by refinement are rounded to this many significant digits (short commands;
 #: a probe that rounds onto an evaluated value ends that family's refinement).
@@ -221,11 +222,7 @@ _SHOWN = {"a", "b", "scale", "sigma", "density", "lambda", "weights", "seed", "c
 
 
 def _fmt(v: object) -> str:
-    if isinstance(v, (list, tuple)):
-        return ",".join(_fmt(x) for x in v)
-    if isinstance(v, float):
-        return repr(v)
-    return str(v)
+    return flag_value(v)
 
 
 def round_sig(x: float, digits: int = SIGNIFICANT_DIGITS) -> float:
@@ -247,17 +244,6 @@ REPRODUCED_SUFFIX = "-reproduced"
 def reproduced_out(out: str) -> str:
     """Where the printed reproduction command writes: beside OUT (which holds the winner)."""
     return (out.rstrip("/") or out) + REPRODUCED_SUFFIX
-
-
-def degenerate_on_adapters(entry: FamilyEntry) -> bool:
-    """A family whose cut needs the unknown-noise threshold, undefined on a LoRA update."""
-    if entry.family == "dg-hard":
-        return True
-    if entry.family == "lines":  # the schedule alone is exact on any update; over a cut it is not
-        return "shrink" in entry.fixed
-    return (
-        entry.kind.command == "repair" and "sigma" not in entry.fixed and entry.fixed.get("noise") != "known"
-    )
 
 
 def shell_command(argv: list[str]) -> str:

@@ -187,7 +187,7 @@ def prepare_candidate(job: Job) -> dict:
     from dghard_cli.lora.source import open_ft
     from dghard_cli.sweeping.cache import dir_bytes, write_json
     from dghard_cli.sweeping.choose import update_distance
-    from dghard_cli.sweeping.family_dispatch import write_candidate
+    from dghard_cli.sweeping.families import write_candidate
 
     w = job.write
     assert w is not None

@@ -25,8 +25,8 @@ Every probe is a pure function of what has been evaluated (like the golden-secti
 other families), so a resumed sweep takes the same steps.
 
 The code is in three modules: :mod:`dghard_cli.sweeping.lines_entry` (the candidate file's entry,
-bound to FT's layers), :mod:`dghard_cli.sweeping.lines_candidates` (a candidate at a point, its
-command, writing it) and :mod:`dghard_cli.sweeping.lines_search` (the refinement). This module
+bound to FT's layers), :mod:`dghard_cli.sweeping.lines_candidates` (a candidate at a point; its
+options, command and writing are the family's: :mod:`dghard_cli.sweeping.families.lines`) and :mod:`dghard_cli.sweeping.lines_search` (the refinement). This module
 re-exports what the sweep and the tests use.
 """
 
@@ -38,8 +38,6 @@ from dghard_cli.sweeping.lines_candidates import (
     group_ranges,
     group_schedule,
     make_candidate,
-    reproduce_argv,
-    write_candidate,
 )
 from dghard_cli.sweeping.lines_entry import bind_entries, check_entry, parse_entry
 from dghard_cli.sweeping.lines_search import (
@@ -64,6 +62,4 @@ __all__ = [
     "parse_entry",
     "refine_probe",
     "refine_probes",
-    "reproduce_argv",
-    "write_candidate",
 ]

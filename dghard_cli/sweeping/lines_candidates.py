@@ -1,10 +1,10 @@
 """The candidates of the ``lines`` sweep family: the entry and candidate types, the per-group
 block ranges and the ``--layer-strengths`` schedule of a per-group point, a candidate at an
-(α, β) pair or a :class:`GroupPoint`, its reproduction command, and writing it with
-``dghard repair``.
+(α, β) pair or a :class:`GroupPoint`. Its options (so its command and its writing) are the
+family's: :mod:`dghard_cli.sweeping.families.lines`.
 
 Relies on :mod:`dghard_cli.sweeping.candidates` (the family-independent candidate types and number
-formatting), :mod:`dghard_cli.schedule.spec` (``LayerSchedule``) and :func:`dghard_cli.repairing.repair`.
+formatting) and :mod:`dghard_cli.schedule.spec` (``LayerSchedule``).
 :mod:`dghard_cli.sweeping.lines` is the public entry and describes the family's search.
 """
 
@@ -14,13 +14,8 @@ import math
 from dataclasses import dataclass, field
 
 from dghard_cli.architecture import place_depth
-from dghard_cli.engine.plan import PolicyOptions
-from dghard_cli.engine.writer import RunOptions
 from dghard_cli.errors import InputError
-from dghard_cli.lora.output import LoraOutputOptions
-from dghard_cli.methods.declare import LAYER_STRENGTHS, LINES
-from dghard_cli.repairing import RepairOptions, repair
-from dghard_cli.schedule.spec import LayerSchedule, parse_layer_strengths
+from dghard_cli.schedule.spec import LayerSchedule
 from dghard_cli.spectral.spectrum import ShrinkSpec
 from dghard_cli.sweeping.candidates import Candidate, FamilyEntry, _fmt, round_sig
 
@@ -227,57 +222,4 @@ def _make_merge(entry: LinesEntry, value: object) -> Candidate:
         axis="lines",
         value=(a, b),  # type: ignore[arg-type]
         params=tuple(sorted(p.items())),
-    )
-
-
-def reproduce_argv(cand: Candidate, base: str, ft: str, out: str, device: str) -> list[str]:
-    p = cand.param_dict
-    argv = ["dghard", "repair", base, ft, out]
-    if "lines" in p:
-        argv += [LINES.cli_flag, f"{_fmt(p['lines'][0])},{_fmt(p['lines'][1])}"]
-    else:
-        argv += [LAYER_STRENGTHS.cli_flag, p["layer_strengths"]]
-    if "shrink" in p:
-        argv += ["--shrink", p["shrink"], "--scale", _fmt(p["scale"])]
-        if p["shrink"] == "twoknob":
-            argv += ["--a", _fmt(p["a"]), "--b", _fmt(p["b"])]
-        if p["noise"] == "known":
-            argv += ["--noise", "known", "--sigma", _fmt(p["sigma"])]
-    return argv + (["--device", device] if device != "auto" else [])
-
-
-def write_candidate(
-    cand: Candidate,
-    base: str,
-    ft: str,
-    out,
-    *,
-    device: str,
-    argv: list[str],
-    report_out: str | None = None,
-    merge_adapters: bool = False,
-    dtype: str | None = None,
-) -> dict:
-    """Write ``cand`` with ``dghard repair`` (``merge_adapters``: FT is a LoRA adapter, written as
-    the full merged checkpoint, ``--merge``; else in FT's own format, an adapter for an adapter)."""
-    p = cand.param_dict
-    if "lines" in p:
-        schedule = LayerSchedule(alpha=float(p["lines"][0]), beta=float(p["lines"][1]))
-    else:
-        schedule = parse_layer_strengths(p["layer_strengths"])
-    spec = None
-    if "shrink" in p:
-        spec = ShrinkSpec(
-            shrink=p["shrink"],
-            scale=p["scale"],
-            noise=p["noise"],
-            sigma=p.get("sigma"),
-            a=p.get("a", 1.0),
-            b=p.get("b", 0.0),
-        )
-    run = RunOptions(device=device, quiet=True, argv=argv, report_out=report_out)
-    lora = LoraOutputOptions(merge=merge_adapters)
-    policy = PolicyOptions(out_dtype=dtype)
-    return repair(
-        base, ft, out, RepairOptions(spec=spec, schedule=schedule, policy=policy, run=run, lora=lora)
     )

@@ -57,18 +57,18 @@ from dghard_cli.scoring.metrics import score_candidates
 from dghard_cli.scoring.results import MetricRule, ResultFile, Score
 from dghard_cli.sweeping import integrity, merges
 from dghard_cli.sweeping.cache import Cache, dir_bytes, input_identity, write_json
-from dghard_cli.sweeping.candidate_file import check_entry, load_candidates, parse_candidates
+from dghard_cli.sweeping.candidate_file import load_candidates, parse_candidates
 from dghard_cli.sweeping.candidates import (  # noqa: F401 (where the reproduction command writes)
     REPRODUCED_SUFFIX,
     Candidate,
     FamilyEntry,
-    degenerate_on_adapters,
     reproduced_out,
 )
 from dghard_cli.sweeping.choose import choose_winner, objective, target_ok
 from dghard_cli.sweeping.defaults import DEFAULT_BUDGET, DEFAULT_MIN_TARGET_RETENTION
 from dghard_cli.sweeping.evaluate import check_template
 from dghard_cli.sweeping.execution import make_executor, plan_execution
+from dghard_cli.sweeping.families import check_entry, degenerate_on_adapters
 from dghard_cli.sweeping.lines import bind_entries as bind_lines
 from dghard_cli.sweeping.report import FRONTIER_PNG, SCHEMA_VERSION, SweepReport  # noqa: F401 (names of the output)
 from dghard_cli.sweeping.search import coarse_allotment, coarse_order, next_round
@@ -221,7 +221,7 @@ class _Sweep(EvaluationSteps, SweepReport):
             label = "FT" if i == 0 else f"--merge-ft {spec}"
             self.ft_cks.append(open_ft(spec, base=self.base_ck, label=label))
         # LoRA adapters: evaluated as full merged checkpoints; each candidate written as an adapter
-        # where that is exact, else merged (steps.py, family_dispatch.writes_adapter)
+        # where that is exact, else merged (steps.py, families.writes_adapter)
         self.adapters = any(is_adapter(f) for f in self.ft_cks)
         check_out_path(
             self.out, [self.base_ck.path, *[f.path for f in self.ft_cks]], overwrite=self.opts.overwrite

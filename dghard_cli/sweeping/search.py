@@ -26,17 +26,12 @@ from the cache) takes exactly the same steps as one that was never interrupted.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 
-from dghard_cli.sweeping.candidates import Candidate, FamilyEntry, round_sig
-from dghard_cli.sweeping.family_dispatch import make_candidate
-
-#: 2 − φ: where golden-section search puts its next probe inside the wider side.
-GOLDEN = (3.0 - math.sqrt(5.0)) / 2.0
-
-#: An objective is any comparable tuple (larger is better); None for a candidate that failed.
-Objective = tuple | None
+from dghard_cli.sweeping import families
+from dghard_cli.sweeping.candidates import Candidate, FamilyEntry
+from dghard_cli.sweeping.families import make_candidate
+from dghard_cli.sweeping.families.base import Objective
 
 
 def coarse_order(entries: Sequence[FamilyEntry], n_fts: int) -> list[Candidate]:
@@ -61,38 +56,14 @@ def coarse_allotment(candidate_budget: int, n_coarse: int, n_entries: int) -> in
 
 
 def refine_probes(entry: FamilyEntry, points: dict[float, Objective]) -> list:
-    """The next golden-section step on ``entry``'s axis: a probe on each side of the best point
-    that is still wide enough, the wider side first (empty when the entry is done).
+    """The next step on ``entry``'s axis (empty when the entry is done): for a one-axis family a
+    golden-section step, a probe on each side of the best point that is still wide enough, the
+    wider side first (:class:`~dghard_cli.sweeping.families.base.OneAxisFamily`); for ``lines``
+    the compass step.
 
     ``points`` maps the evaluated axis values of this entry to their objectives.
     """
-    if entry.family == "lines":  # two axes: a compass search (sweep/lines.py)
-        from dghard_cli.sweeping import lines
-
-        return lines.refine_probes(entry, points)  # type: ignore[arg-type]
-    if not entry.refine:
-        return []
-    ok = {v: o for v, o in points.items() if o is not None}
-    if not ok:
-        return []
-    best = max(ok, key=lambda v: (ok[v], -v))  # equal objectives: the smallest value
-    xs = sorted(points)
-    i = xs.index(best)
-    u = entry.coord(best)
-    left = entry.coord(xs[i - 1]) if i > 0 else entry.coord(entry.lo)
-    right = entry.coord(xs[i + 1]) if i + 1 < len(xs) else entry.coord(entry.hi)
-    wl, wr = u - left, right - u
-    span = entry.coord(entry.hi) - entry.coord(entry.lo)
-    sides = [(wr, 1.0), (wl, -1.0)] if wr >= wl else [(wl, -1.0), (wr, 1.0)]
-    out: list[float] = []
-    for width, sign in sides:
-        if width < entry.tolerance * span:
-            continue
-        probe = round_sig(entry.value(u + sign * GOLDEN * width))
-        probe = min(max(probe, entry.lo), entry.hi)
-        if probe not in points and probe != best and probe not in out:
-            out.append(probe)
-    return out
+    return families.refine_probes(entry, points)
 
 
 def refine_probe(entry: FamilyEntry, points: dict[float, Objective]) -> object | None:
@@ -138,18 +109,4 @@ def entry_points(
     entry: FamilyEntry, n_fts: int, coarse: list[Candidate], evaluated: dict[tuple, Objective]
 ) -> dict[float, Objective]:
     """The evaluated axis values of ``entry`` and their objectives."""
-    if entry.family == "lines":
-        from dghard_cli.sweeping import lines
-
-        return lines.entry_points(entry, evaluated)  # type: ignore[arg-type, return-value]
-    # the entry's own grid and every value refinement produced are candidates of this entry;
-    # they are found by regenerating the candidate of each evaluated value of the axis
-    out: dict[float, Objective] = {}
-    for params, obj in evaluated.items():
-        d = dict(params)
-        v = d.get(entry.axis)
-        if not isinstance(v, (int, float)) or isinstance(v, bool):
-            continue
-        if make_candidate(entry, float(v), n_fts=n_fts).params == params:
-            out[float(v)] = obj
-    return out
+    return families.entry_points(entry, n_fts, coarse, evaluated)

@@ -19,7 +19,7 @@ when nothing is running).
 
 LoRA adapters as fine-tunes: each candidate is written in the format its reproduction command
 writes (an adapter where it is exact as one, else the merged checkpoint:
-:func:`~dghard_cli.sweeping.family_dispatch.writes_adapter`). Whatever the format, it is measured
+:func:`~dghard_cli.sweeping.families.writes_adapter`). Whatever the format, it is measured
 and evaluated as the model it stands for: its distance to the fine-tune compares BASE + ΔW
 (the adapter read as the fine-tune is, :func:`~dghard_cli.lora.source.open_ft`), and the
 evaluation command gets that model as a full checkpoint, as it got FT."""
@@ -43,7 +43,7 @@ from dghard_cli.scoring.results import ResultFile, read_results
 from dghard_cli.sweeping.cache import digest, dir_bytes, input_identity
 from dghard_cli.sweeping.candidates import Candidate, reproduced_out, shell_command
 from dghard_cli.sweeping.choose import choose_winner
-from dghard_cli.sweeping.family_dispatch import reproduce_argv, writes_adapter
+from dghard_cli.sweeping.families import reproduce_argv, writes_adapter
 from dghard_cli.sweeping.jobs import (
     CANDIDATE_DIR,
     CandidateWrite,
