@@ -432,7 +432,9 @@ def _sweep_options_target():
     validation (nothing is evaluated): --jobs, --devices, the executor and Ray address, the
     evaluation resources, the lm-eval tasks and arguments, the numbers, --dtype, --units."""
     from dghard_cli.sweeping.lm_eval import LmEvalSpec
-    from dghard_cli.sweeping.run import SweepOptions, _Sweep
+    from dghard_cli.sweeping.run import SweepOptions
+    from dghard_cli.sweeping.setup import validate
+    from dghard_cli.sweeping.state import SweepState
 
     def prepare(root: Path) -> None:
         pass
@@ -474,7 +476,7 @@ def _sweep_options_target():
         if case.get("executor") == "ray" and "ray_address" not in case:
             case["executor"] = "local"  # a private Ray cluster takes seconds to start
         opts = SweepOptions(eval_template=template, **case)
-        _Sweep(str(root / "base"), str(root / "ft"), root / "sweep-out", opts).validate()
+        validate(SweepState.create(str(root / "base"), str(root / "ft"), root / "sweep-out", opts))
 
     return prepare, mutate, execute
 

@@ -12,7 +12,9 @@ from conftest import run_dghard
 from test_sweep import Pair
 
 from dghard_cli.sweeping import plot as sweep_plot
-from dghard_cli.sweeping.run import SweepOptions, _Sweep
+from dghard_cli.sweeping import report as sweep_report
+from dghard_cli.sweeping.run import SweepOptions
+from dghard_cli.sweeping.state import SweepState
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +77,8 @@ def test_a_plot_without_matplotlib_gives_its_reason(tmp_path, monkeypatch):
         raise ImportError("No module named 'matplotlib'")
 
     monkeypatch.setattr(sweep_plot, "frontier_png", no_matplotlib)
-    s = _Sweep("b", "f", tmp_path / "out", SweepOptions(eval_template="x {model} {output}"))
-    s.rows, s.ref_scores = [], {}
-    assert s.plot(tmp_path, None) == (None, "matplotlib is not installed (pip install 'dghard[plot]')")
+    s = SweepState.create("b", "f", tmp_path / "out", SweepOptions(eval_template="x {model} {output}"))
+    assert sweep_report.plot(s, tmp_path, None) == (
+        None,
+        "matplotlib is not installed (pip install 'dghard[plot]')",
+    )

@@ -214,15 +214,15 @@ def test_a_failing_evaluation_or_write_fails_that_candidate_only(pair, tmp_path,
 def test_the_disk_bound(pair, tmp_path, monkeypatch):
     _reset(pair)
     # less free space than one candidate takes and nothing running: exit 3, resumable
-    monkeypatch.setattr(steps.EvaluationSteps, "_disk_free", lambda self: 1024)
+    monkeypatch.setattr(steps, "_disk_free", lambda s: 1024)
     out = tmp_path / "out"
     with pytest.raises(RuntimeFailure, match="not enough free disk space"):
         _run(pair, out, monkeypatch, jobs=2)
     # room for exactly one candidate at a time: the second write waits for the first to be scored
     monkeypatch.setattr(
-        steps.EvaluationSteps,
+        steps,
         "_disk_free",
-        lambda self: self._disk_needed() if not any((self.stage / "jobs").glob("*/candidate")) else 0,
+        lambda s: steps._disk_needed(s) if not any((s.stage / "jobs").glob("*/candidate")) else 0,
     )
     doc = _run(pair, out, monkeypatch, jobs=2, budget=6)
     assert doc["winner"] is not None

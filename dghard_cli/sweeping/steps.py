@@ -2,7 +2,7 @@
 written, measured, evaluated, scored and kept or dropped — several at a time with ``--jobs`` or
 a Ray cluster, with the same result as one at a time.
 
-**Scheduling** (:meth:`EvaluationSteps.run_jobs`): up to ``slots`` jobs are in flight; a slot
+**Scheduling** (:func:`run_jobs`): up to ``slots`` jobs are in flight; a slot
 takes the next job of the round when it frees. With the local executor the sweep's main thread
 writes each candidate (one at a time, so one candidate's write is the most the process holds
 besides the evaluations, which are other processes) and a thread waits on its evaluation; with
@@ -39,10 +39,12 @@ from pathlib import Path
 from dghard_cli._version import __version__
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.checkpoint import Checkpoint
-from dghard_cli.scoring.results import ResultFile, read_results
+from dghard_cli.scoring.experts import expert_reference
+from dghard_cli.scoring.metrics import score_candidates
+from dghard_cli.scoring.results import ResultFile, Score, read_results
 from dghard_cli.sweeping.cache import digest, dir_bytes, input_identity
 from dghard_cli.sweeping.candidates import Candidate, reproduced_out, shell_command
-from dghard_cli.sweeping.choose import choose_winner
+from dghard_cli.sweeping.choose import choose_winner, objective, target_ok
 from dghard_cli.sweeping.families import reproduce_argv, writes_adapter
 from dghard_cli.sweeping.jobs import (
     CANDIDATE_DIR,
@@ -55,6 +57,7 @@ from dghard_cli.sweeping.jobs import (
     prepare_failure,
     written_info,
 )
+from dghard_cli.sweeping.state import CandidateRow, SweepState
 
 #: Free space kept beyond a candidate's size before writing it.
 DISK_HEADROOM = 64 * 1024 * 1024
@@ -73,552 +76,608 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9.=,_-]+", "_", text).strip("_")[:80] or "candidate"
 
 
-class EvaluationSteps:
-    """Evaluating references and candidates (a part of ``run._Sweep``; the attributes it uses are set up there)."""
+# -- jobs ----------------------------------------------------------------------------------
 
-    # -- jobs ----------------------------------------------------------------------------------
-    def job_dir(self, key: str) -> Path:
-        return self.stage / "jobs" / key
 
-    def check_stage(self) -> None:
-        """RuntimeFailure (exit 3) when the staging directory is gone or replaced since the sweep
-        began: an evaluation that deleted it left writes failing on vanished paths (an internal
-        error) and evaluations in flight reported as "interrupted"."""
-        want = getattr(self, "stage_identity", None)
-        try:
-            st = os.stat(self.stage)
-            cache_ok = (self.stage / "cache").is_dir()
-        except OSError:
-            st, cache_ok = None, False
-        if want is None or (
-            st is not None and (st.st_dev, st.st_ino) == want and cache_ok and not self.cache.missing()
-        ):
-            return
-        raise RuntimeFailure(
-            f"the sweep's staging directory {self.stage} was removed or replaced while the sweep ran "
-            "(by an evaluation command?); its cached evaluations are gone",
-            hint="make the evaluation leave the directories above {model} alone, and run the same command again",
-        )
+def check_stage(s: SweepState) -> None:
+    """RuntimeFailure (exit 3) when the staging directory is gone or replaced since the sweep
+    began: an evaluation that deleted it left writes failing on vanished paths (an internal
+    error) and evaluations in flight reported as "interrupted"."""
+    want = s.stage_identity
+    try:
+        st = os.stat(s.stage)
+        cache_ok = (s.stage / "cache").is_dir()
+    except OSError:
+        st, cache_ok = None, False
+    if want is None or (
+        st is not None and (st.st_dev, st.st_ino) == want and cache_ok and not s.cache.missing()
+    ):
+        return
+    raise RuntimeFailure(
+        f"the sweep's staging directory {s.stage} was removed or replaced while the sweep ran "
+        "(by an evaluation command?); its cached evaluations are gone",
+        hint="make the evaluation leave the directories above {model} alone, and run the same command again",
+    )
 
-    @property
-    def remote(self) -> bool:
-        return bool(getattr(self.executor, "remote", False))
 
-    def spec_for_job(self, spec: str) -> str:
-        """An input as a job names it: a local path absolute for a remote worker (whose working
-        directory is not this one), a Hub id as given."""
-        p = Path(spec).expanduser()
-        return str(p.absolute()) if self.remote and p.exists() else spec
+def spec_for_job(s: SweepState, spec: str) -> str:
+    """An input as a job names it: a local path absolute for a remote worker (whose working
+    directory is not this one), a Hub id as given."""
+    p = Path(spec).expanduser()
+    return str(p.absolute()) if s.remote and p.exists() else spec
 
-    def eval_job(self, key: str, label: str, **kw) -> Job:
-        return Job(
-            key=key,
-            label=label,
-            template=self.opts.eval_template,
-            timeout=self.opts.eval_timeout,
-            workdir=str(self.job_dir(key)),
-            base=self.spec_for_job(self.base_spec),
-            device=self.opts.device,
-            cwd=os.getcwd(),
-            **kw,
-        )
 
-    def _disk_needed(self) -> int:
-        """What one more candidate may take: the largest so far (with its merged checkpoint, for
-        an adapter), or before the first, the largest input."""
-        sizes = [(r.get("bytes") or 0) + (r.get("merged_bytes") or 0) for r in self.records.values()]
-        guess = max(sizes, default=0) or max(ck.total_bytes for ck in [self.base_ck, *self.ft_cks])
-        return int(guess) + DISK_HEADROOM
+def eval_job(s: SweepState, key: str, label: str, **kw) -> Job:
+    return Job(
+        key=key,
+        label=label,
+        template=s.opts.eval_template,
+        timeout=s.opts.eval_timeout,
+        workdir=str(s.job_dir(key)),
+        base=spec_for_job(s, s.base_spec),
+        device=s.opts.device,
+        cwd=os.getcwd(),
+        **kw,
+    )
 
-    def _disk_free(self) -> int:
-        return shutil.disk_usage(self.stage).free
 
-    def run_jobs(self, jobs: list[Job], on_done: Callable[[Job, JobResult], None]) -> None:
-        """Run ``jobs`` on the executor, at most ``slots`` at a time, in order of submission;
-        ``on_done`` is called in this thread as each finishes (in order of completion). A job
-        whose worker hit the machine's limits (disk full) stops the sweep: RuntimeFailure."""
-        from dghard_cli.sweeping.evaluate import KILL_GRACE_S, allow_evaluations, terminate_running
+def _disk_needed(s: SweepState) -> int:
+    """What one more candidate may take: the largest so far (with its merged checkpoint, for
+    an adapter), or before the first, the largest input."""
+    sizes = [(r.get("bytes") or 0) + (r.get("merged_bytes") or 0) for r in s.records.values()]
+    guess = max(sizes, default=0) or max(ck.total_bytes for ck in [s.base_ck, *s.ft_cks])
+    return int(guess) + DISK_HEADROOM
 
-        allow_evaluations()
-        queue = list(jobs)
-        flight: dict[object, tuple[Job, int]] = {}
-        free = list(range(self.executor.slots))
 
-        def finished(handle: object, result: JobResult) -> None:
-            job, slot = flight.pop(handle)
-            free.append(slot)
-            free.sort()
-            self.running.pop(job.key, None)
-            self.check_stage()
-            if result.fatal:
-                raise RuntimeFailure(
-                    result.fatal, hint="free space (or fix the cause) and run the same command again"
-                )
-            on_done(job, result)
+def _disk_free(s: SweepState) -> int:
+    return shutil.disk_usage(s.stage).free
 
-        try:
-            while queue or flight:
-                while queue and free:
-                    job = queue[0]
-                    if job.write is not None and not self._fits(job, flight):
-                        break  # wait for a running evaluation to free its candidate's space
-                    queue.pop(0)
-                    self.check_stage()
-                    if not self.remote and job.prepared is None:
-                        try:  # written (or merged) here, in the main thread, one at a time
-                            job = replace(job, prepared=prepare(job))
-                        except InputError as exc:
-                            on_done(job, prepare_failure(job, exc, remote=False))
-                            continue
-                        except (OSError, RuntimeFailure):
-                            self.check_stage()  # the clearer error when the stage vanished meanwhile
-                            raise
-                    slot = free.pop(0)
-                    assignment: dict = {"slot": slot}
-                    if self.devices:
-                        assignment["device"] = self.devices[slot]
-                    if self.remote:
-                        assignment["remote"] = True
-                    self.running[job.key] = {"name": job.label, "since": time.time(), **assignment}
-                    self.emit(kind="evaluating", name=job.label, reference=job.write is None, slot=slot,
-                              device=assignment.get("device"), **self.progress())  # fmt: skip
-                    flight[self.executor.submit(job, assignment)] = (job, slot)
-                if not flight:
-                    continue
-                for handle, result in self.executor.wait(list(flight), timeout=None if not queue else POLL_S):
-                    finished(handle, result)
-        except BaseException:
-            # evaluations still running are stopped (their jobs fail, uncached); what finished
-            # meanwhile (while this thread wrote a candidate) is collected and cached for the resume
-            terminate_running(wait=KILL_GRACE_S + 1)
-            deadline = time.monotonic() + (COLLECT_REMOTE_S if self.remote else COLLECT_AFTER_INTERRUPT_S)
-            with contextlib.suppress(Exception):
-                while flight and time.monotonic() < deadline:
-                    for handle, result in self.executor.wait(list(flight), 0.2):
-                        with contextlib.suppress(Exception):
-                            finished(handle, result)
-            if flight:
-                self.executor.cancel(list(flight))
-            raise
 
-    def _fits(self, job: Job, flight: dict) -> bool:
-        """Whether the candidate of ``job`` fits on the disk now, besides the candidates of the
-        jobs in flight that are not written yet (a Ray worker writes its own); RuntimeFailure
-        (exit 3) when it cannot fit and nothing running could free space."""
-        if job.prepared is not None or written_info(
-            self.job_dir(job.key) / CANDIDATE_DIR, job.key, self.stage
-        ):
-            return True
-        need = self._disk_needed()
-        unwritten = sum(
-            1
-            for j, _ in flight.values()
-            if j.write is not None
-            and not written_info(self.job_dir(j.key) / CANDIDATE_DIR, j.key, self.stage)
-        )
-        free = self._disk_free() - unwritten * need
-        if free >= need:
-            return True
+def run_jobs(s: SweepState, jobs: list[Job], on_done: Callable[[Job, JobResult], None]) -> None:
+    """Run ``jobs`` on the executor, at most ``slots`` at a time, in order of submission;
+    ``on_done`` is called in this thread as each finishes (in order of completion). A job
+    whose worker hit the machine's limits (disk full) stops the sweep: RuntimeFailure."""
+    from dghard_cli.sweeping.evaluate import KILL_GRACE_S, allow_evaluations, terminate_running
+
+    allow_evaluations()
+    queue = list(jobs)
+    flight: dict[object, tuple[Job, int]] = {}
+    free = list(range(s.executor.slots))
+
+    def finished(handle: object, result: JobResult) -> None:
+        job, slot = flight.pop(handle)
+        free.append(slot)
+        free.sort()
+        s.running.pop(job.key, None)
+        check_stage(s)
+        if result.fatal:
+            raise RuntimeFailure(
+                result.fatal, hint="free space (or fix the cause) and run the same command again"
+            )
+        on_done(job, result)
+
+    try:
+        while queue or flight:
+            while queue and free:
+                job = queue[0]
+                if job.write is not None and not _fits(s, job, flight):
+                    break  # wait for a running evaluation to free its candidate's space
+                queue.pop(0)
+                check_stage(s)
+                if not s.remote and job.prepared is None:
+                    try:  # written (or merged) here, in the main thread, one at a time
+                        job = replace(job, prepared=prepare(job))
+                    except InputError as exc:
+                        on_done(job, prepare_failure(job, exc, remote=False))
+                        continue
+                    except (OSError, RuntimeFailure):
+                        check_stage(s)  # the clearer error when the stage vanished meanwhile
+                        raise
+                slot = free.pop(0)
+                assignment: dict = {"slot": slot}
+                if s.devices:
+                    assignment["device"] = s.devices[slot]
+                if s.remote:
+                    assignment["remote"] = True
+                s.running[job.key] = {"name": job.label, "since": time.time(), **assignment}
+                s.emit(kind="evaluating", name=job.label, reference=job.write is None, slot=slot,
+                          device=assignment.get("device"), **progress_doc(s))  # fmt: skip
+                flight[s.executor.submit(job, assignment)] = (job, slot)
+            if not flight:
+                continue
+            for handle, result in s.executor.wait(list(flight), timeout=None if not queue else POLL_S):
+                finished(handle, result)
+    except BaseException:
+        # evaluations still running are stopped (their jobs fail, uncached); what finished
+        # meanwhile (while this thread wrote a candidate) is collected and cached for the resume
+        terminate_running(wait=KILL_GRACE_S + 1)
+        deadline = time.monotonic() + (COLLECT_REMOTE_S if s.remote else COLLECT_AFTER_INTERRUPT_S)
+        with contextlib.suppress(Exception):
+            while flight and time.monotonic() < deadline:
+                for handle, result in s.executor.wait(list(flight), 0.2):
+                    with contextlib.suppress(Exception):
+                        finished(handle, result)
         if flight:
-            return False
-        raise RuntimeFailure(
-            f"not enough free disk space in {self.stage.parent} for the next candidate: about "
-            f"{need / 2**20:.0f} MiB needed, {max(free, 0) / 2**20:.0f} MiB free",
-            hint="free space (or lower --jobs) and run the same command again to resume",
-        )
+            s.executor.cancel(list(flight))
+        raise
 
-    # -- references
-    def references(self) -> None:
-        """BASE's and each fine-tune's results: given, cached, or evaluated (all at once)."""
-        specs: list[tuple[str, Checkpoint | None, Path | None]] = [
-            ("base", self.base_ck, self.opts.base_results)
-        ]
-        for i, ck in enumerate(self.ft_cks):
-            given = self.opts.ft_results[i] if i < len(self.opts.ft_results) else None
-            specs.append(("ft" if i == 0 else f"ft{i + 1}", ck, given))
-        jobs, before, recs = [], {}, {}
-        for label, ck, given in specs:
-            if given is not None:
-                continue
-            key = digest(
-                {
-                    "reference": label,
-                    "input": input_identity(ck),
-                    "template": self.opts.eval_template,
-                    "dghard": __version__,
-                }
-            )
-            rec = self.cache.get(key)
-            if rec is not None:
-                recs[label] = (key, rec, True)
-                continue
-            from dghard_cli.lora.source import is_adapter
 
-            what = self._ref_name(label, ck)
-            before[label] = input_identity(ck)
-            model = self.spec_for_job(ck.source) if is_adapter(ck) else str(ck.path.resolve())
-            jobs.append((label, self.eval_job(key, what, model=model, model_is_adapter=is_adapter(ck))))
-
-        by_key = {j.key: label for label, j in jobs}
-
-        def done(job: Job, res: JobResult) -> None:
-            label = by_key[job.key]
-            ck = dict((lb, c) for lb, c, _ in specs)[label]
-            if input_identity(ck) != before[label]:
-                raise InputError(
-                    f"the evaluation command modified {job.label} ({ck.path}) while evaluating it; "
-                    "evaluate {model} without writing into it"
-                )
-            rec = res.rec
-            if res.cacheable or rec["status"] == "ok":
-                rec = self.cache.put(job.key, rec, Path(res.results) if res.results else None)
-            self.run_count += 1
-            recs[label] = (job.key, rec, False)
-            shutil.rmtree(self.job_dir(job.key), ignore_errors=True)
-
-        self.run_jobs([j for _, j in jobs], done)
-        fixed = None
-        for label, ck, given in specs:
-            rf = self._reference_results(label, ck, given, recs.get(label), fixed)
-            if label == "base":
-                self.base_rf = rf
-                fixed = rf.metrics
-                for t in self.opts.targets:
-                    if t not in rf.scores:
-                        raise InputError(
-                            f"--target {t!r}: no such benchmark in the base results "
-                            f"(benchmarks: {', '.join(rf.scores)})"
-                        )
-            else:
-                self._check_complete(rf)
-                self.ft_rfs.append(rf)
-
-    @staticmethod
-    def _ref_name(label: str, ck: Checkpoint) -> str:
-        return {"base": "BASE", "ft": "FT"}.get(label, f"fine-tune {ck.source}")
-
-    def _reference_results(
-        self, label: str, ck: Checkpoint, given: Path | None, cached: tuple | None, fixed: dict | None
-    ) -> ResultFile:
-        what = self._ref_name(label, ck)
-        if given is not None:
-            rf = read_results(
-                given,
-                metric=self.rule,
-                fixed=fixed,
-                scale=self.opts.units,
-                label=f"--{'base' if label == 'base' else 'ft'}-results",
-            )
-            self.refs[label] = {"name": what, "source": "given", "path": str(given), "status": "ok"}
-            self.emit(kind="reference", name=what, source="given", path=str(given))
-            return rf
-        assert cached is not None
-        _key, rec, was_cached = cached
-        if was_cached:
-            self.cached_count += 1
-        self.refs[label] = {
-            "name": what,
-            "source": "evaluated",
-            "cached": was_cached,
-            "status": rec["status"],
-            "message": rec.get("message"),
-            "log_tail": rec.get("log_tail"),
-            "seconds": rec.get("seconds", {}).get("eval"),
-            "model": str(ck.path),
-        }
-        if rec.get("device") is not None:
-            self.refs[label]["device"] = rec["device"]
-        if not was_cached:
-            self.t["eval"] += rec.get("seconds", {}).get("eval") or 0.0
-        if rec["status"] != "ok":
-            raise InputError(
-                f"the evaluation of {what} failed, so there is nothing to compare candidates with: "
-                f"{rec.get('message')}",
-                hint="fix the --eval command (try it by hand on BASE)",
-            )
-        rf = read_results(
-            self.cache.results_path(rec),
-            metric=self.rule,
-            fixed=fixed,
-            scale=self.opts.units,
-            label=f"{what} results",
-        )
-        self.emit(
-            kind="reference",
-            name=what,
-            source="cached" if was_cached else "evaluated",
-            seconds=self.refs[label]["seconds"],
-            benchmarks=len(rf.scores),
-        )
-        return rf
-
-    def _check_complete(self, rf: ResultFile) -> None:
-        missing = [k for k in self.base_rf.scores if k not in rf.scores]
-        if missing:
-            raise InputError(
-                f"{rf.source}: no score for benchmark {missing[0]!r}"
-                + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
-                + ", which the base results have"
-            )
-
-    # -- candidates
-    def key(self, cand: Candidate) -> str:
-        what = {"candidate": [cand.command, list(cand.params)], "device": self.opts.device, **self.identity}
-        if self.opts.dtype is not None:  # what is written (absent: the command's default, as before)
-            what["dtype"] = self.opts.dtype
-        if self.adapters:  # the format is part of what was measured (cached before it was: not reused)
-            what["output"] = "peft" if self.as_adapter(cand) else "full"
-        return digest(what)
-
-    def as_adapter(self, cand: Candidate) -> bool:
-        """Whether ``cand`` is written as a LoRA adapter (else a full checkpoint)."""
-        return writes_adapter(cand, self.ft_cks)
-
-    def reproduce(self, cand: Candidate) -> list[str]:
-        # OUT holds the winner when the sweep ends, so the command writes its copy beside it
-        return reproduce_argv(
-            cand,
-            self.base_spec,
-            self.ft_specs,
-            reproduced_out(self.out_arg),
-            self.opts.device,
-            merge_adapters=self.adapters and not self.as_adapter(cand),
-            dtype=self.opts.dtype,
-        )
-
-    def candidate_job(self, cand: Candidate, key: str, name: str) -> Job:
-        adapter = self.as_adapter(cand)
-        return self.eval_job(
-            key,
-            name,
-            write=CandidateWrite(
-                cand=cand,
-                base=self.spec_for_job(self.base_spec),
-                fts=tuple(self.spec_for_job(f) for f in self.ft_specs),
-                argv=tuple(self.reproduce(cand)),
-                report_out=self.out_arg,  # the winner ends up in OUT: its report says so
-                merge_adapters=self.adapters and not adapter,
-                adapter=adapter,
-                dtype=self.opts.dtype,
-            ),
-        )
-
-    def write(self, cand: Candidate, key: str, target: Path) -> dict:
-        """Write ``cand`` into ``target`` (the winner, written again at the end)."""
-        job = self.candidate_job(cand, key, cand.label)
-        shutil.rmtree(self.job_dir(key), ignore_errors=True)
-        info = prepare_candidate(job)
-        shutil.rmtree(target, ignore_errors=True)
-        os.replace(self.job_dir(key) / CANDIDATE_DIR, target)
-        os.replace(self.job_dir(key) / f"{CANDIDATE_DIR}.key", target.parent / f"{target.name}.key")
-        shutil.rmtree(self.job_dir(key), ignore_errors=True)
-        return info
-
-    def on_disk(self, target: Path, key: str) -> dict | None:
-        return written_info(target, key, self.stage)
-
-    def evaluate_round(self, items: list[tuple[Candidate, str]]) -> None:
-        """Evaluate one round of candidates (cached ones are read back); their rows are added in
-        the round's order."""
-        planned: list[dict] = []
-        names = {r["name"] for r in self.rows}
-        for i, (cand, phase) in enumerate(items):
-            name, k = cand.label, 2
-            while name in names:  # same label, other parameters
-                name, k = f"{cand.label} #{k}", k + 1
-            names.add(name)
-            key = self.key(cand)
-            planned.append(
-                {"cand": cand, "phase": phase, "key": key, "name": name, "order": len(self.rows) + i + 1}
-            )
-        self.queued = [p["name"] for p in planned]
-        self.emit(kind="round", names=[p["name"] for p in planned], phases=[p["phase"] for p in planned])
-        by_key = {p["key"]: p for p in planned}
-        finished: dict[str, dict] = {}
-        jobs = []
-        for p in planned:
-            rec = self.cache.get(p["key"])
-            if rec is not None:
-                shutil.rmtree(self.job_dir(p["key"]), ignore_errors=True)  # left by an interruption
-                self.cached_count += 1
-                finished[p["key"]] = self._add_row(p, rec, cached=True)
-            else:
-                jobs.append(self.candidate_job(p["cand"], p["key"], p["name"]))
-
-        def done(job: Job, res: JobResult) -> None:
-            p = by_key[job.key]
-            rec = dict(res.rec)
-            prep = res.prepared or {}
-            rec.update(
-                name=p["name"],
-                params=p["cand"].param_dict,
-                distance=prep.get("distance", math.inf),
-                bytes=prep.get("bytes"),
-            )
-            if prep.get("merged_bytes"):
-                rec["merged_bytes"] = prep["merged_bytes"]
-            rec["seconds"] = {
-                **rec.get("seconds", {}),
-                **({"write": prep["seconds"]} if "seconds" in prep else {}),
-                **({"distance": prep["distance_seconds"]} if "distance_seconds" in prep else {}),
-            }
-            self.t["write"] += prep.get("seconds", 0.0) + prep.get("merge_seconds", 0.0)
-            self.t["distance"] += prep.get("distance_seconds", 0.0)
-            self.t["eval"] += rec["seconds"].get("eval", 0.0)
-            winner_bytes = dir_bytes(self.stage / "winner")
-            in_flight = sum(dir_bytes(self.job_dir(k) / CANDIDATE_DIR) for k in self.running)
-            self.disk_peak = max(
-                self.disk_peak,
-                winner_bytes + in_flight + (prep.get("bytes") or 0) + prep.get("merged_bytes", 0),
-            )
-            results = Path(res.results) if res.results else None
-            if res.cacheable or rec["status"] == "ok":
-                rec = self.cache.put(job.key, rec, results)
-            else:
-                rec = dict(rec, key=job.key, results=None)
-            self.run_count += 1
-            finished[job.key] = self._add_row(p, rec, cached=False)
-            self.keep_or_drop(job.key)
-
-        try:
-            self.run_jobs(jobs, done)
-        finally:
-            self.queued = []
-            # the round's rows in the round's order, whatever the order of completion
-            self.rows.sort(key=lambda r: r["order"])
-        self.rescore()
-
-    def _add_row(self, p: dict, rec: dict, *, cached: bool) -> dict:
-        cand, key, name = p["cand"], p["key"], p["name"]
-        argv = self.reproduce(cand)
-        row = {
-            "order": p["order"],
-            "name": name,
-            "family": cand.family,
-            "entry": cand.entry,
-            "command": cand.command,
-            "axis": cand.axis,
-            "value": cand.value,
-            "params": cand.param_dict,
-            "phase": p["phase"],
-            "status": rec["status"],
-            "message": rec.get("message"),
-            "log_tail": rec.get("log_tail"),
-            "cached": cached,
-            "seconds": rec.get("seconds", {}),
-            "bytes": rec.get("bytes"),
-            "distance": rec.get("distance", math.inf),
-            "reproduce": {"argv": argv, "command": shell_command(argv), "out": reproduced_out(self.out_arg)},
-            "key": key,
-        }
-        if rec.get("device") is not None:
-            row["device"] = rec["device"]
-        if rec["status"] == "ok":
-            try:
-                self.rf[key] = read_results(
-                    self.cache.results_path(rec),
-                    metric=self.rule,
-                    fixed=self.base_rf.metrics,
-                    scale=self.opts.units,
-                    label=f"results of {name}",
-                )
-                self._check_complete(self.rf[key])
-            except InputError as exc:
-                row["status"], row["message"] = "unreadable", f"unreadable results: {exc}"
-                self.rf.pop(key, None)
-        self.rows.append(row)
-        self.records[key] = rec
-        self.cands[key] = cand
-        self.rescore()
-        self.emit(
-            kind="candidate",
-            row=row,
-            order=row["order"],
-            min_target_retention=self.bar,
-            **self.progress(),
-        )
-        return row
-
-    def keep_or_drop(self, key: str) -> None:
-        """The candidate just evaluated becomes the winner so far (the previous one is dropped),
-        or is dropped; dropped candidates are deleted, or kept for OUT/candidates/."""
-        jdir = self.job_dir(key)
-        cdir = jdir / CANDIDATE_DIR
-        if not cdir.exists():
-            shutil.rmtree(jdir, ignore_errors=True)
-            return
-        winner, _ = choose_winner(self.rows, self.bar, self.opts.tie_tolerance)
-        if winner is not None and winner["key"] == key:
-            wdir = self.stage / "winner"
-            self.drop(wdir)
-            os.replace(cdir, wdir)
-            os.replace(jdir / f"{CANDIDATE_DIR}.key", self.stage / "winner.key")
-        else:
-            self.drop(cdir)
-        shutil.rmtree(jdir, ignore_errors=True)
-
-    def drop(self, cdir: Path) -> None:
-        """Delete a candidate that lost, and its key file ``CDIR.key`` (``keep_candidates``: move
-        both to ``<stage>/kept/NNN-name``)."""
-        from dghard_cli.sweeping import integrity
-
-        keyfile = cdir.parent / f"{cdir.name}.key"
-        if self.opts.keep_candidates and cdir.is_dir():
-            key = str((key_record(cdir, self.stage) or {}).get("key", ""))
-            row = next((r for r in self.rows if key and r["key"] == key), None)
-            info = self.on_disk(cdir, key) if key else None
-            # a candidate the evaluation wrote into is not what its command writes: never kept
-            if row is not None and (info is None or integrity.changed(cdir, info.get("snapshot"))):
-                row = None
-            if row is not None:
-                kept = self.stage / "kept" / f"{row['order']:03d}-{_slug(row['name'])}"
-                kept.parent.mkdir(parents=True, exist_ok=True)
-                shutil.rmtree(kept, ignore_errors=True)
-                os.replace(keyfile, kept.parent / f"{kept.name}.key")
-                os.replace(cdir, kept)
-        shutil.rmtree(cdir, ignore_errors=True)
-        keyfile.unlink(missing_ok=True)
-
-    def from_kept(self, key: str, target: Path) -> bool:
-        """Move the kept candidate of ``key`` (``keep_candidates``) to ``target``, if it is there
-        intact: the winner chosen at the end may be one that lost while the round ran."""
-        from dghard_cli.sweeping import integrity
-
-        kept = self.stage / "kept"
-        for keyfile in sorted(kept.glob("*.key")) if kept.is_dir() else []:
-            cdir = keyfile.with_suffix("")
-            info = self.on_disk(cdir, key)
-            if info is not None and integrity.verify_hashes(cdir, info.get("snapshot")) is None:
-                os.replace(cdir, target)
-                os.replace(keyfile, target.parent / f"{target.name}.key")
-                return True
+def _fits(s: SweepState, job: Job, flight: dict) -> bool:
+    """Whether the candidate of ``job`` fits on the disk now, besides the candidates of the
+    jobs in flight that are not written yet (a Ray worker writes its own); RuntimeFailure
+    (exit 3) when it cannot fit and nothing running could free space."""
+    if job.prepared is not None or written_info(s.job_dir(job.key) / CANDIDATE_DIR, job.key, s.stage):
+        return True
+    need = _disk_needed(s)
+    unwritten = sum(
+        1
+        for j, _ in flight.values()
+        if j.write is not None and not written_info(s.job_dir(j.key) / CANDIDATE_DIR, j.key, s.stage)
+    )
+    free = _disk_free(s) - unwritten * need
+    if free >= need:
+        return True
+    if flight:
         return False
+    raise RuntimeFailure(
+        f"not enough free disk space in {s.stage.parent} for the next candidate: about "
+        f"{need / 2**20:.0f} MiB needed, {max(free, 0) / 2**20:.0f} MiB free",
+        hint="free space (or lower --jobs) and run the same command again to resume",
+    )
 
-    def progress(self) -> dict:
-        """Counts and an ETA for progress displays: done, running, queued, best so far."""
-        done = len(self.rows)
-        secs = [
-            r["seconds"].get("eval", 0.0) + r["seconds"].get("write", 0.0)
-            for r in self.rows
-            if not r.get("cached") and r.get("seconds")
-        ]
-        left = max(0, self.cand_budget - done - len(self.running))
-        slots = max(1, self.executor.slots)
-        eta = None
-        if secs:
-            mean = sum(secs) / len(secs)
-            now = time.time()
-            running_left = [max(0.0, mean - (now - r["since"])) for r in self.running.values()]
-            eta = round(max(running_left, default=0.0) + math.ceil(left / slots) * mean, 1)
-        winner, _ = choose_winner(self.rows, self.bar, self.opts.tie_tolerance) if self.rows else (None, None)
-        finished = {r["name"] for r in self.rows}
-        running = [r["name"] for r in self.running.values()]
-        return {
-            "done": done,
-            "budget": self.cand_budget,
-            "slots": slots,
-            "running": running,
-            "queued": sum(1 for n in self.queued if n not in finished and n not in running),
-            "best": None if winner is None else {"name": winner["name"], "hm": winner["hm"]},
-            "eta_s": eta,
+
+# -- references
+
+
+def references(s: SweepState) -> None:
+    """BASE's and each fine-tune's results: given, cached, or evaluated (all at once)."""
+    specs: list[tuple[str, Checkpoint | None, Path | None]] = [("base", s.base_ck, s.opts.base_results)]
+    for i, ck in enumerate(s.ft_cks):
+        given = s.opts.ft_results[i] if i < len(s.opts.ft_results) else None
+        specs.append(("ft" if i == 0 else f"ft{i + 1}", ck, given))
+    jobs, before, recs = [], {}, {}
+    for label, ck, given in specs:
+        if given is not None:
+            continue
+        key = digest(
+            {
+                "reference": label,
+                "input": input_identity(ck),
+                "template": s.opts.eval_template,
+                "dghard": __version__,
+            }
+        )
+        rec = s.cache.get(key)
+        if rec is not None:
+            recs[label] = (key, rec, True)
+            continue
+        from dghard_cli.lora.source import is_adapter
+
+        what = _ref_name(label, ck)
+        before[label] = input_identity(ck)
+        model = spec_for_job(s, ck.source) if is_adapter(ck) else str(ck.path.resolve())
+        jobs.append((label, eval_job(s, key, what, model=model, model_is_adapter=is_adapter(ck))))
+
+    by_key = {j.key: label for label, j in jobs}
+
+    def done(job: Job, res: JobResult) -> None:
+        label = by_key[job.key]
+        ck = dict((lb, c) for lb, c, _ in specs)[label]
+        if input_identity(ck) != before[label]:
+            raise InputError(
+                f"the evaluation command modified {job.label} ({ck.path}) while evaluating it; "
+                "evaluate {model} without writing into it"
+            )
+        rec = res.rec
+        if res.cacheable or rec["status"] == "ok":
+            rec = s.cache.put(job.key, rec, Path(res.results) if res.results else None)
+        s.run_count += 1
+        recs[label] = (job.key, rec, False)
+        shutil.rmtree(s.job_dir(job.key), ignore_errors=True)
+
+    run_jobs(s, [j for _, j in jobs], done)
+    fixed = None
+    for label, ck, given in specs:
+        rf = _reference_results(s, label, ck, given, recs.get(label), fixed)
+        if label == "base":
+            s.base_rf = rf
+            fixed = rf.metrics
+            for t in s.opts.targets:
+                if t not in rf.scores:
+                    raise InputError(
+                        f"--target {t!r}: no such benchmark in the base results "
+                        f"(benchmarks: {', '.join(rf.scores)})"
+                    )
+        else:
+            _check_complete(s, rf)
+            s.ft_rfs.append(rf)
+
+
+def _ref_name(label: str, ck: Checkpoint) -> str:
+    return {"base": "BASE", "ft": "FT"}.get(label, f"fine-tune {ck.source}")
+
+
+def _reference_results(
+    s: SweepState, label: str, ck: Checkpoint, given: Path | None, cached: tuple | None, fixed: dict | None
+) -> ResultFile:
+    what = _ref_name(label, ck)
+    if given is not None:
+        rf = read_results(
+            given,
+            metric=s.rule,
+            fixed=fixed,
+            scale=s.opts.units,
+            label=f"--{'base' if label == 'base' else 'ft'}-results",
+        )
+        s.refs[label] = {"name": what, "source": "given", "path": str(given), "status": "ok"}
+        s.emit(kind="reference", name=what, source="given", path=str(given))
+        return rf
+    assert cached is not None
+    _key, rec, was_cached = cached
+    if was_cached:
+        s.cached_count += 1
+    s.refs[label] = {
+        "name": what,
+        "source": "evaluated",
+        "cached": was_cached,
+        "status": rec["status"],
+        "message": rec.get("message"),
+        "log_tail": rec.get("log_tail"),
+        "seconds": rec.get("seconds", {}).get("eval"),
+        "model": str(ck.path),
+    }
+    if rec.get("device") is not None:
+        s.refs[label]["device"] = rec["device"]
+    if not was_cached:
+        s.t["eval"] += rec.get("seconds", {}).get("eval") or 0.0
+    if rec["status"] != "ok":
+        raise InputError(
+            f"the evaluation of {what} failed, so there is nothing to compare candidates with: "
+            f"{rec.get('message')}",
+            hint="fix the --eval command (try it by hand on BASE)",
+        )
+    rf = read_results(
+        s.cache.results_path(rec),
+        metric=s.rule,
+        fixed=fixed,
+        scale=s.opts.units,
+        label=f"{what} results",
+    )
+    s.emit(
+        kind="reference",
+        name=what,
+        source="cached" if was_cached else "evaluated",
+        seconds=s.refs[label]["seconds"],
+        benchmarks=len(rf.scores),
+    )
+    return rf
+
+
+def _check_complete(s: SweepState, rf: ResultFile) -> None:
+    missing = [k for k in s.base_rf.scores if k not in rf.scores]
+    if missing:
+        raise InputError(
+            f"{rf.source}: no score for benchmark {missing[0]!r}"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else "")
+            + ", which the base results have"
+        )
+
+
+# -- candidates
+
+
+def candidate_key(s: SweepState, cand: Candidate) -> str:
+    what = {"candidate": [cand.command, list(cand.params)], "device": s.opts.device, **s.identity}
+    if s.opts.dtype is not None:  # what is written (absent: the command's default, as before)
+        what["dtype"] = s.opts.dtype
+    if s.adapters:  # the format is part of what was measured (cached before it was: not reused)
+        what["output"] = "peft" if as_adapter(s, cand) else "full"
+    return digest(what)
+
+
+def as_adapter(s: SweepState, cand: Candidate) -> bool:
+    """Whether ``cand`` is written as a LoRA adapter (else a full checkpoint)."""
+    return writes_adapter(cand, s.ft_cks)
+
+
+def reproduce(s: SweepState, cand: Candidate) -> list[str]:
+    # OUT holds the winner when the sweep ends, so the command writes its copy beside it
+    return reproduce_argv(
+        cand,
+        s.base_spec,
+        s.ft_specs,
+        reproduced_out(s.out_arg),
+        s.opts.device,
+        merge_adapters=s.adapters and not as_adapter(s, cand),
+        dtype=s.opts.dtype,
+    )
+
+
+def candidate_job(s: SweepState, cand: Candidate, key: str, name: str) -> Job:
+    adapter = as_adapter(s, cand)
+    return eval_job(
+        s,
+        key,
+        name,
+        write=CandidateWrite(
+            cand=cand,
+            base=spec_for_job(s, s.base_spec),
+            fts=tuple(spec_for_job(s, f) for f in s.ft_specs),
+            argv=tuple(reproduce(s, cand)),
+            report_out=s.out_arg,  # the winner ends up in OUT: its report says so
+            merge_adapters=s.adapters and not adapter,
+            adapter=adapter,
+            dtype=s.opts.dtype,
+        ),
+    )
+
+
+def write_candidate_dir(s: SweepState, cand: Candidate, key: str, target: Path) -> dict:
+    """Write ``cand`` into ``target`` (the winner, written again at the end)."""
+    job = candidate_job(s, cand, key, cand.label)
+    shutil.rmtree(s.job_dir(key), ignore_errors=True)
+    info = prepare_candidate(job)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(s.job_dir(key) / CANDIDATE_DIR, target)
+    os.replace(s.job_dir(key) / f"{CANDIDATE_DIR}.key", target.parent / f"{target.name}.key")
+    shutil.rmtree(s.job_dir(key), ignore_errors=True)
+    return info
+
+
+def on_disk(s: SweepState, target: Path, key: str) -> dict | None:
+    return written_info(target, key, s.stage)
+
+
+def evaluate_round(s: SweepState, items: list[tuple[Candidate, str]]) -> None:
+    """Evaluate one round of candidates (cached ones are read back); their rows are added in
+    the round's order."""
+    planned: list[dict] = []
+    names = {r["name"] for r in s.rows}
+    for i, (cand, phase) in enumerate(items):
+        name, k = cand.label, 2
+        while name in names:  # same label, other parameters
+            name, k = f"{cand.label} #{k}", k + 1
+        names.add(name)
+        key = candidate_key(s, cand)
+        planned.append({"cand": cand, "phase": phase, "key": key, "name": name, "order": len(s.rows) + i + 1})
+    s.queued = [p["name"] for p in planned]
+    s.emit(kind="round", names=[p["name"] for p in planned], phases=[p["phase"] for p in planned])
+    by_key = {p["key"]: p for p in planned}
+    finished: dict[str, dict] = {}
+    jobs = []
+    for p in planned:
+        rec = s.cache.get(p["key"])
+        if rec is not None:
+            shutil.rmtree(s.job_dir(p["key"]), ignore_errors=True)  # left by an interruption
+            s.cached_count += 1
+            finished[p["key"]] = _add_row(s, p, rec, cached=True)
+        else:
+            jobs.append(candidate_job(s, p["cand"], p["key"], p["name"]))
+
+    def done(job: Job, res: JobResult) -> None:
+        p = by_key[job.key]
+        rec = dict(res.rec)
+        prep = res.prepared or {}
+        rec.update(
+            name=p["name"],
+            params=p["cand"].param_dict,
+            distance=prep.get("distance", math.inf),
+            bytes=prep.get("bytes"),
+        )
+        if prep.get("merged_bytes"):
+            rec["merged_bytes"] = prep["merged_bytes"]
+        rec["seconds"] = {
+            **rec.get("seconds", {}),
+            **({"write": prep["seconds"]} if "seconds" in prep else {}),
+            **({"distance": prep["distance_seconds"]} if "distance_seconds" in prep else {}),
         }
+        s.t["write"] += prep.get("seconds", 0.0) + prep.get("merge_seconds", 0.0)
+        s.t["distance"] += prep.get("distance_seconds", 0.0)
+        s.t["eval"] += rec["seconds"].get("eval", 0.0)
+        winner_bytes = dir_bytes(s.stage / "winner")
+        in_flight = sum(dir_bytes(s.job_dir(k) / CANDIDATE_DIR) for k in s.running)
+        s.disk_peak = max(
+            s.disk_peak,
+            winner_bytes + in_flight + (prep.get("bytes") or 0) + prep.get("merged_bytes", 0),
+        )
+        results = Path(res.results) if res.results else None
+        if res.cacheable or rec["status"] == "ok":
+            rec = s.cache.put(job.key, rec, results)
+        else:
+            rec = dict(rec, key=job.key, results=None)
+        s.run_count += 1
+        finished[job.key] = _add_row(s, p, rec, cached=False)
+        keep_or_drop(s, job.key)
+
+    try:
+        run_jobs(s, jobs, done)
+    finally:
+        s.queued = []
+        # the round's rows in the round's order, whatever the order of completion
+        s.rows.sort(key=lambda r: r["order"])
+    rescore(s)
+
+
+def _add_row(s: SweepState, p: dict, rec: dict, *, cached: bool) -> CandidateRow:
+    cand, key, name = p["cand"], p["key"], p["name"]
+    argv = reproduce(s, cand)
+    row: CandidateRow = {
+        "order": p["order"],
+        "name": name,
+        "family": cand.family,
+        "entry": cand.entry,
+        "command": cand.command,
+        "axis": cand.axis,
+        "value": cand.value,
+        "params": cand.param_dict,
+        "phase": p["phase"],
+        "status": rec["status"],
+        "message": rec.get("message"),
+        "log_tail": rec.get("log_tail"),
+        "cached": cached,
+        "seconds": rec.get("seconds", {}),
+        "bytes": rec.get("bytes"),
+        "distance": rec.get("distance", math.inf),
+        "reproduce": {"argv": argv, "command": shell_command(argv), "out": reproduced_out(s.out_arg)},
+        "key": key,
+    }
+    if rec.get("device") is not None:
+        row["device"] = rec["device"]
+    if rec["status"] == "ok":
+        try:
+            s.rf[key] = read_results(
+                s.cache.results_path(rec),
+                metric=s.rule,
+                fixed=s.base_rf.metrics,
+                scale=s.opts.units,
+                label=f"results of {name}",
+            )
+            _check_complete(s, s.rf[key])
+        except InputError as exc:
+            row["status"], row["message"] = "unreadable", f"unreadable results: {exc}"
+            s.rf.pop(key, None)
+    s.rows.append(row)
+    s.records[key] = rec
+    s.cands[key] = cand
+    rescore(s)
+    s.emit(
+        kind="candidate",
+        row=row,
+        order=row["order"],
+        min_target_retention=s.bar,
+        **progress_doc(s),
+    )
+    return row
+
+
+def keep_or_drop(s: SweepState, key: str) -> None:
+    """The candidate just evaluated becomes the winner so far (the previous one is dropped),
+    or is dropped; dropped candidates are deleted, or kept for OUT/candidates/."""
+    jdir = s.job_dir(key)
+    cdir = jdir / CANDIDATE_DIR
+    if not cdir.exists():
+        shutil.rmtree(jdir, ignore_errors=True)
+        return
+    winner, _ = choose_winner(s.rows, s.bar, s.opts.tie_tolerance)
+    if winner is not None and winner["key"] == key:
+        wdir = s.stage / "winner"
+        drop(s, wdir)
+        os.replace(cdir, wdir)
+        os.replace(jdir / f"{CANDIDATE_DIR}.key", s.stage / "winner.key")
+    else:
+        drop(s, cdir)
+    shutil.rmtree(jdir, ignore_errors=True)
+
+
+def drop(s: SweepState, cdir: Path) -> None:
+    """Delete a candidate that lost, and its key file ``CDIR.key`` (``keep_candidates``: move
+    both to ``<stage>/kept/NNN-name``)."""
+    from dghard_cli.sweeping import integrity
+
+    keyfile = cdir.parent / f"{cdir.name}.key"
+    if s.opts.keep_candidates and cdir.is_dir():
+        key = str((key_record(cdir, s.stage) or {}).get("key", ""))
+        row = next((r for r in s.rows if key and r["key"] == key), None)
+        info = on_disk(s, cdir, key) if key else None
+        # a candidate the evaluation wrote into is not what its command writes: never kept
+        if row is not None and (info is None or integrity.changed(cdir, info.get("snapshot"))):
+            row = None
+        if row is not None:
+            kept = s.stage / "kept" / f"{row['order']:03d}-{_slug(row['name'])}"
+            kept.parent.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(kept, ignore_errors=True)
+            os.replace(keyfile, kept.parent / f"{kept.name}.key")
+            os.replace(cdir, kept)
+    shutil.rmtree(cdir, ignore_errors=True)
+    keyfile.unlink(missing_ok=True)
+
+
+def from_kept(s: SweepState, key: str, target: Path) -> bool:
+    """Move the kept candidate of ``key`` (``keep_candidates``) to ``target``, if it is there
+    intact: the winner chosen at the end may be one that lost while the round ran."""
+    from dghard_cli.sweeping import integrity
+
+    kept = s.stage / "kept"
+    for keyfile in sorted(kept.glob("*.key")) if kept.is_dir() else []:
+        cdir = keyfile.with_suffix("")
+        info = on_disk(s, cdir, key)
+        if info is not None and integrity.verify_hashes(cdir, info.get("snapshot")) is None:
+            os.replace(cdir, target)
+            os.replace(keyfile, target.parent / f"{target.name}.key")
+            return True
+    return False
+
+
+def progress_doc(s: SweepState) -> dict:
+    """Counts and an ETA for progress displays: done, running, queued, best so far."""
+    done = len(s.rows)
+    secs = [
+        r["seconds"].get("eval", 0.0) + r["seconds"].get("write", 0.0)
+        for r in s.rows
+        if not r.get("cached") and r.get("seconds")
+    ]
+    left = max(0, s.cand_budget - done - len(s.running))
+    slots = max(1, s.executor.slots)
+    eta = None
+    if secs:
+        mean = sum(secs) / len(secs)
+        now = time.time()
+        running_left = [max(0.0, mean - (now - r["since"])) for r in s.running.values()]
+        eta = round(max(running_left, default=0.0) + math.ceil(left / slots) * mean, 1)
+    winner, _ = choose_winner(s.rows, s.bar, s.opts.tie_tolerance) if s.rows else (None, None)
+    finished = {r["name"] for r in s.rows}
+    running = [r["name"] for r in s.running.values()]
+    return {
+        "done": done,
+        "budget": s.cand_budget,
+        "slots": slots,
+        "running": running,
+        "queued": sum(1 for n in s.queued if n not in finished and n not in running),
+        "best": None if winner is None else {"name": winner["name"], "hm": winner["hm"]},
+        "eta_s": eta,
+    }
+
+
+# -- scoring
+def ft_reference(s: SweepState) -> ResultFile | dict[str, Score]:
+    """FT's results; several fine-tunes: each benchmark's expert (:mod:`dghard_cli.scoring.experts`)."""
+    if len(s.ft_rfs) == 1:
+        return s.ft_rfs[0]
+    if s.expert_ref is None:
+        s.expert_ref, s.expert_choice = expert_reference(
+            s.base_rf, s.ft_rfs, targets=s.opts.targets, margin=s.opts.margin
+        )
+    return s.expert_ref
+
+
+def rescore(s: SweepState) -> None:
+    refs: list[tuple[str, object]] = [("BASE", s.base_rf)]
+    refs += [("FT" if i == 0 else f"FT #{i + 1}", rf) for i, rf in enumerate(s.ft_rfs)]
+    scored = [(r["name"], s.rf[r["key"]]) for r in s.rows if r["status"] == "ok"]
+    doc = score_candidates(
+        s.base_rf,
+        ft_reference(s),
+        refs + scored,
+        targets=s.opts.targets,
+        margin=s.opts.margin,
+        targets_in_retention=len(s.ft_rfs) > 1,
+        unchanged_in_repair=len(s.ft_rfs) > 1,
+        units_option="--units",  # the sweep's own option forces a unit
+    )
+    by_name = {c["name"]: c for c in doc["candidates"]}
+    s.score_doc = doc
+    s.ref_scores = {n: by_name[n] for n, _ in refs}
+    for r in s.rows:
+        cd = by_name.get(r["name"]) if r["status"] == "ok" else None
+        r["score"] = cd
+        for k in (
+            "repair",
+            "retention",
+            "hm",
+            "unchanged_mean_change",
+            "target_retention",
+            "target_retention_mean",
+        ):
+            r[k] = cd[k] if cd else None
+        r["feasible"] = bool(cd) and target_ok(cd, s.bar)
+        r["objective"] = objective(cd, r["distance"], s.bar)
