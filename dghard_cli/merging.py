@@ -274,6 +274,7 @@ def merge(
         if "calibrate" in p:  # SVC's float64 SVDs of whole matrices: refused before anything is written
             from dghard_cli.engine.working_memory import check_dense_svd
             from dghard_cli.methods.subspace import matrix_rule
+            from dghard_cli.methods.svc import svc_bytes
 
             check_dense_svd(
                 computed,
@@ -281,6 +282,8 @@ def merge(
                 is_matrix=matrix_rule(opts.policy),
                 what="--calibrate svc",
                 device=resolve_device(opts.run.device),
+                bytes_of=svc_bytes,
+                work="a float64 SVD of each merged update, one task vector at a time",
             )
         check_plan = registry.methods()[method].check_plan
         if check_plan is not None:

@@ -151,14 +151,40 @@ def _policy(**kw):
 def test_a_matrix_whose_svd_cannot_fit_is_refused_before_anything_is_written(tmp_path, models, monkeypatch):
     import dghard_cli.engine.working_memory as wm
 
-    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 10 * 8 * 48 * 48)
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 7 * 8 * 48 * 48)
     with pytest.raises(Exception) as e:
         run(models["base"], models["fts"], tmp_path / "o", "task-arithmetic", calibrate="svc")
     msg = str(e.value)
-    assert "for --calibrate svc (float64 SVDs of the whole matrices)" in msg and len(msg.splitlines()) == 1, (
-        msg
-    )
+    want = "for --calibrate svc (a float64 SVD of each merged update, one task vector at a time)"
+    assert want in msg and len(msg.splitlines()) == 1, msg
     assert not (tmp_path / "o").exists()
+
+
+def test_svc_holds_one_task_vector_at_a_time(tmp_path, models, monkeypatch):
+    """The calibration makes each task vector when it reaches it: its working set (8 float64
+    copies of the matrix) does not grow with the number of fine-tunes. It held all T task
+    vectors at once, (2T + 6) copies, and was refused on a machine where it fits now (the
+    output, the same bytes, does not depend on it)."""
+    import inspect
+
+    import dghard_cli.engine.working_memory as wm
+    import dghard_cli.methods.svc as svc
+
+    whole, _ = run(models["base"], models["fts"], tmp_path / "a", "task-arithmetic", calibrate="svc")
+    largest = max(r["shape"][0] * r["shape"][1] for r in whole["tensors"] if "svc" in r)
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 9 * 8 * largest)
+    kinds = []
+    real = svc.calibrate
+
+    def seen(delta_m, deltas, alpha, unit=2.0**-24):
+        kinds.append(inspect.isgenerator(deltas))  # made one at a time as calibrate reaches them
+        return real(delta_m, deltas, alpha, unit)
+
+    monkeypatch.setattr(svc, "calibrate", seen)
+    run(models["base"], models["fts"], tmp_path / "b", "task-arithmetic", calibrate="svc")
+    assert kinds and all(kinds) and len(models["fts"]) >= 2
+    for f in sorted(p.name for p in (tmp_path / "a").glob("*.safetensors")):
+        assert (tmp_path / "a" / f).read_bytes() == (tmp_path / "b" / f).read_bytes()
 
 
 def test_svc_after_iso_c_calibrates_its_flat_spectrum_as_one_cluster(tmp_path, models):

@@ -18,13 +18,15 @@ vocabulary matrices included, as FusionBench's "every 2-D parameter"); other ten
 merge's values. With a layer schedule the calibration comes first: W = W_base + λ(ℓ)·ΔW_svc.
 
 The wrapped merge writes the matrix in float64; the calibration works on the whole matrix in
-float64 (working set ≈ (2T + 6)·8·m·n bytes, checked against the machine's memory first).
+float64, one task vector at a time (working set ≈ 8·8·m·n bytes whatever T: the merged matrix,
+BASE, the merged update, the SVD's factors and workspace, one task vector and its projection;
+checked against the machine's memory first, :func:`svc_bytes`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -54,9 +56,12 @@ def clusters(sigma: torch.Tensor, unit: float) -> torch.Tensor:
 
 
 def calibrate(
-    delta_m: torch.Tensor, deltas: Sequence[torch.Tensor], alpha: float, unit: float = 2.0**-24
+    delta_m: torch.Tensor, deltas: Iterable[torch.Tensor], alpha: float, unit: float = 2.0**-24
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The calibrated merged update of ``delta_m`` (float64) and the factors γ (pure).
+
+    ``deltas``: the task vectors, used one at a time (a generator that makes each when it is
+    needed keeps one in memory, not T).
 
     Singular values the output cannot tell apart (``unit``: its unit roundoff; an Iso-C merge's
     flat spectrum is one such cluster) have no defined singular directions of their own — any
@@ -67,14 +72,22 @@ def calibrate(
     c = clusters(sigma, unit)
     n_c = int(c[-1]) + 1 if c.numel() else 0
     total = torch.zeros(n_c, dtype=sigma.dtype, device=sigma.device)
+    n_tasks = 0
     for d in deltas:
+        n_tasks += 1
         a = u.T @ d  # rows a_rⁱ
         den = torch.zeros_like(total).index_add_(0, c, (a * a).sum(dim=1))
         num = torch.zeros_like(total).index_add_(0, c, sigma * (a * vh).sum(dim=1))  # ⟨σ_r·v_r, a_rⁱ⟩
         s = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
         total += torch.clamp(s, min=alpha)
-    gamma = (len(deltas) / total)[c]
+        del d, a
+    gamma = (n_tasks / total)[c]
     return (u * (gamma * sigma)) @ vh, gamma
+
+
+def svc_bytes(rows: int, cols: int, n_fts: int) -> int:  # noqa: ARG001 - T does not matter
+    """The calibration's float64 working set for one m × n matrix (see the module's docstring)."""
+    return 8 * 8 * rows * cols
 
 
 def _wide(block: torch.Tensor) -> torch.Tensor:
@@ -104,10 +117,10 @@ class CalibratedOp:
             return
         dev = self.device
         base = src.base().to(device=dev, dtype=torch.float64)[:rows]
-        deltas = [src.ft(i).to(device=dev, dtype=torch.float64)[:rows] - base for i in range(len(job.fts))]
+        # each task vector made when calibrate() reaches it, and freed after: one in memory, not T
+        deltas = (src.ft(i).to(device=dev, dtype=torch.float64)[:rows] - base for i in range(len(job.fts)))
         unit = max(UNIT_ROUNDOFF.get(job.final_dtype or job.out_dtype, FINEST), FINEST)
         delta, gamma = calibrate(merged[:rows].to(dev) - base, deltas, self.alpha, unit)
-        del deltas
         out = base.add_(delta)
         if not bool(torch.isfinite(out).all()):
             raise InputError(
