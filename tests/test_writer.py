@@ -94,3 +94,62 @@ def test_an_interrupted_adapter_run_resumes_to_the_same_bytes(inputs, tmp_path, 
     assert doc["output"]["resumed_units"] > 0
     name = "adapter_model.safetensors"
     assert (tmp_path / "out" / name).read_bytes() == (tmp_path / "whole" / name).read_bytes()
+
+
+def test_an_internal_error_while_an_adapter_is_written_releases_out(inputs, tmp_path, monkeypatch):
+    """Any exception releases OUT's lock, not only those of the exit-code table (a RuntimeError
+    from LAPACK left it held after the one writer came, so a retry in the same process was
+    refused as "another dghard run is writing")."""
+    import dghard_cli.lora.output as output
+    from dghard_cli.io.lock import OutLock
+
+    base, _, ads = inputs
+
+    def fails(*a, **k):
+        raise RuntimeError("linalg.svd: The algorithm failed to converge")
+
+    monkeypatch.setattr(output, "factored_units", fails)
+    opts = MergeOptions(
+        method="ties", run=RunOptions(quiet=True, device="cpu"), lora=LoraOutputOptions(allow_lossy=True)
+    )
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="failed to converge") as raised:
+        merge(str(base), [str(a) for a in ads], str(out), opts)
+    assert raised.tb is not None  # the traceback keeps the run's frames (and its stage) alive
+    OutLock(out).acquire().release()
+
+
+def test_bad_input_after_every_tensor_is_written_keeps_the_shards(inputs, tmp_path, monkeypatch):
+    """A side file found bad once every shard is written (swapped for a link mid-run) is exit 2,
+    and the shards stay for the rerun, as before the one writer (which discarded them)."""
+    from dghard_cli.errors import InputError
+    from dghard_cli.io.output import OutputStage
+    from dghard_cli.repairing import RepairOptions, repair
+
+    base, ft, _ = inputs
+    real = OutputStage.copy_side_files
+
+    def bad(self, *a, **k):
+        raise InputError("FT/config.json: a symbolic link; not read")
+
+    monkeypatch.setattr(OutputStage, "copy_side_files", bad)
+    out = tmp_path / "out"
+    opts = RepairOptions(run=RunOptions(quiet=True, device="cpu"))
+    with pytest.raises(InputError, match="symbolic link"):
+        repair(str(base), str(ft), str(out), opts)
+    monkeypatch.setattr(OutputStage, "copy_side_files", real)
+    doc = repair(str(base), str(ft), str(out), opts)
+    assert doc["output"]["resumed"] and len(doc["output"]["resumed_shards"]) == 2
+
+
+def test_a_refused_report_path_prints_no_input_warning_first(tmp_path):
+    """The output checks come before the inputs' warnings, as before the one writer."""
+    from conftest import run_dghard
+
+    base, _ = make_pair(tmp_path / "a", ARCH, ft_shards=1)
+    _, ft = make_pair(tmp_path / "b", ARCH, ft_shards=1, dtype="bfloat16")
+    res = run_dghard("repair", base, ft, tmp_path / "out", "--report", ft / "notes.json")
+    assert res.returncode == 2, res.stderr
+    assert "warning" not in res.stderr and "--report" in res.stderr, res.stderr
+    ok = run_dghard("repair", base, ft, tmp_path / "out2")
+    assert ok.returncode == 0 and "warning" in ok.stderr, ok.stderr  # the warning exists

@@ -52,6 +52,7 @@ class CheckpointKind:
         self.t_start = time.perf_counter()
         self.added = dict(added or {})
         self.stages: dict[str, float] = {}  # where the streaming time went (StageClock.report)
+        self.streamed = False  # every tensor is in the stage
 
     def _total(self) -> float:
         return time.perf_counter() - self.t_start + self.before
@@ -64,7 +65,7 @@ class CheckpointKind:
 
     def prepare(self, req: WriteRequest, device: torch.device) -> set[str]:
         """Before anything is read: the working memory of every job, the shard names, the side
-        files to copy; then the inputs' warnings (printed unless quiet). The names OUT gets."""
+        files to copy, the inputs' warnings (printed by :meth:`announce`). The names OUT gets."""
         self.req, self.device = req, device
         self.timings = dict(req.timings)
         self.before = sum(self.timings.values())
@@ -78,12 +79,18 @@ class CheckpointKind:
         # a merge of several fine-tunes is not FT #1: FT #1's training notes and card stay behind
         self.side_sources, self.side_left_out = split_side_files(sources, several=len(fts) > 1)
         self.side = [entry for d, skip in self.side_sources for entry in list_side_files(d, skip)]
-        writes = set(plan.shards) | {n for n, _ in self.side}
         self.input_warnings, self.swap_ruled_out = input_checks.before_run(req.base, fts, plan)
+        return set(plan.shards) | {n for n, _ in self.side}
+
+    def announce(self, req: WriteRequest) -> None:
         if req.run.show_notices:
             for w in self.input_warnings:
                 notice(w, warning=True)
-        return writes
+
+    def discard_on_bad_input(self) -> bool:
+        """Bad input found while streaming discards the stage; once every tensor is written
+        (side files, verification) the shards are kept for the rerun."""
+        return not self.streamed
 
     def dry_run(self, req: WriteRequest, common: dict) -> dict:
         """The report of a dry run: the plan only, nothing read but headers, nothing written."""
@@ -142,6 +149,7 @@ class CheckpointKind:
             )
         finally:
             progress.close()
+        self.streamed = True
         self.timings["process"] = time.perf_counter() - t0
         self.stages = clock.report()
         return records
@@ -151,7 +159,7 @@ class CheckpointKind:
         (the side files copied, the fine-tune's own model card and why it is not used)."""
         plan, stage, fts = self.req.plan, self.stage, self.req.fts
         t1 = time.perf_counter()
-        with failures(stage, self.unit, "copying the fine-tune's side files"):
+        with failures(stage, self.unit, "copying the fine-tune's side files", discard=lambda: False):
             if plan.write_index:
                 weight_map = {j.name: j.shard for j in plan.jobs}
                 stage.write_json(
@@ -255,7 +263,7 @@ class CheckpointKind:
         """The report (when inside OUT) and the model card into the stage, then the stage moved
         to OUT (the writer then writes a ``--report`` outside OUT)."""
         stage = self.stage
-        with failures(stage, self.unit, "writing the report and model card"):
+        with failures(stage, self.unit, "writing the report and model card", discard=lambda: False):
             if target.rel_report is not None:
                 stage.write_text(str(target.rel_report), json_text(doc))
             stage.write_text("README.md", card)

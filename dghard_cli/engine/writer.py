@@ -10,7 +10,8 @@ order:
    ``--report`` goes (:class:`OutputTarget`; a command that calibrates checks it before its
    forward passes and hands it over, so it is not checked twice);
 2. the kind's own checks before anything is read (:meth:`OutputKind.prepare`), then the
-   output-path rule for ``--report`` against the files the kind writes;
+   output-path rule for ``--report`` against the files the kind writes, then the warnings about
+   the inputs (:meth:`OutputKind.announce`);
 3. the fields every report shares (:func:`common_fields`);
 4. a dry run's report (:func:`dry_run_report`): the plan, nothing read but headers;
 5. the staging directory, keyed by the run's :func:`fingerprint` (resumable), and the kind's
@@ -204,6 +205,14 @@ class OutputKind(Protocol):
         """The kind's checks before anything is read; the names it writes into OUT."""
         ...
 
+    def announce(self, req: WriteRequest) -> None:
+        """Once every check has passed: the warnings about the inputs (printed unless quiet)."""
+        ...
+
+    def discard_on_bad_input(self) -> bool:
+        """Whether bad input found while writing discards the stage (else its units are kept)."""
+        ...
+
     def parameters(self, req: WriteRequest) -> dict:
         """The report's parameters: the command's and what the kind adds."""
         ...
@@ -256,11 +265,15 @@ def dry_run_report(req: WriteRequest, output: dict, common: dict, timings: dict)
 
 
 @contextlib.contextmanager
-def failures(stage: OutputStage, unit: str, doing: str | None = None) -> Iterator[None]:
+def failures(
+    stage: OutputStage, unit: str, doing: str | None = None, discard: Callable[[], bool] | None = None
+) -> Iterator[None]:
     """The one exception → exit-code table of a run writing into ``stage``.
 
-    Interrupted (Ctrl-C) and out of memory, CUDA's included, and I/O errors keep the finished
-    ``unit`` (exit 3, resumable); bad input found while writing discards the stage (exit 2)."""
+    Interrupted (Ctrl-C), out of memory (CUDA's included) and I/O errors keep the finished
+    ``unit`` (exit 3, resumable). Bad input found while computing discards the stage (exit 2),
+    unless ``discard()`` says the finished units are worth keeping (a checkpoint whose tensors
+    are all written). Whatever ends the run, OUT's lock is released."""
     kept = f"finished {unit} are kept in {stage.dir}"
     try:
         yield
@@ -268,13 +281,15 @@ def failures(stage: OutputStage, unit: str, doing: str | None = None) -> Iterato
         stage.lock.release()
         raise Interrupted(f"interrupted; {kept}", hint="run the same command again to resume") from None
     except InputError:
-        stage.discard()
+        if discard is None or discard():
+            stage.discard()
+        else:
+            stage.lock.release()
         raise
     except MemoryError:
         stage.lock.release()
         raise RuntimeFailure(
-            f"out of memory; {kept}",
-            hint="rerun the same command (smaller blocks: --device cpu frees GPU memory)",
+            f"out of memory; {kept}", hint="free memory and run the same command again to resume"
         ) from None
     except torch.cuda.OutOfMemoryError:
         stage.lock.release()
@@ -288,6 +303,9 @@ def failures(stage: OutputStage, unit: str, doing: str | None = None) -> Iterato
             f"{what} ({exc.strerror or exc}); {kept}",
             hint="fix the cause (disk full?) and run the same command again to resume",
         ) from None
+    except BaseException:  # anything else (an internal error): the lock still goes
+        stage.lock.release()
+        raise
 
 
 def write_output(req: WriteRequest, kind: OutputKind) -> dict:
@@ -299,12 +317,13 @@ def write_output(req: WriteRequest, kind: OutputKind) -> dict:
     target = req.target or OutputTarget.check(req.out, req.run, req.base, req.fts)
     writes = kind.prepare(req, device)
     target.check_report(req.base, req.fts, writes)
+    kind.announce(req)
     common = common_fields(req, kind.parameters(req), kind.spectral(req), device)
     if req.run.dry_run:
         return kind.dry_run(req, common)
     fp = fingerprint(req.command, req.method, common["parameters"], req.plan, [req.base, *req.fts])
     stage = kind.open_stage(req, fp)
-    with failures(stage, kind.unit):
+    with failures(stage, kind.unit, discard=kind.discard_on_bad_input):
         doc = kind.write(req, target, common, device)
     target.write_outside(doc)
     return doc

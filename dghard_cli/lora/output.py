@@ -430,6 +430,12 @@ class AdapterKind:
         tokenizer = set().union(*(tokenizer_files(d) for d in self.decision.tokenizer_dirs()))
         return set(ADAPTER_FILES) | tokenizer
 
+    def announce(self, req: WriteRequest) -> None:
+        pass  # the input checks compare full checkpoints: an adapter run has none to print
+
+    def discard_on_bad_input(self) -> bool:
+        return True  # a refusal (a lossy adapter, a non-finite factor) leaves nothing behind
+
     def parameters(self, req: WriteRequest) -> dict:
         d = self.decision
         parameters = {**req.parameters, **d.lora.describe(), "output_format": "peft"}
