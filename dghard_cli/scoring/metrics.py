@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
@@ -77,6 +78,22 @@ def _mean(xs: Sequence[float]) -> float | None:
     return sum(xs) / len(xs) if xs else None
 
 
+@dataclass(frozen=True)
+class Rules:
+    """How the partitions enter % repair and % retention. Both off: ``dghard score`` and a sweep
+    of one fine-tune. Both on: a sweep of several fine-tunes (:mod:`dghard_cli.scoring.experts`).
+
+    ``targets_in_retention``: % retention is the mean over the improved benchmarks *and* the
+    targets, so HM weighs every expert's gain on its own benchmark; a missing damaged partition
+    is then a note, not a warning. ``unchanged_in_repair``: an unchanged benchmark (a skill of the
+    base no fine-tune moved beyond its margin) enters % repair as the share of the base's level
+    the candidate keeps, c/b·100 (b > 0), so a merge that loses what every expert kept is
+    penalised as one that fails to repair what an expert damaged."""
+
+    targets_in_retention: bool = False
+    unchanged_in_repair: bool = False
+
+
 def score_candidates(
     base: ResultFile | Mapping[str, ScoreLike],
     ft: ResultFile | Mapping[str, ScoreLike],
@@ -95,17 +112,15 @@ def score_candidates(
     """Score candidates against base and fine-tune; returns the score document.
 
     ``units_option`` is the option the unit warnings advise (``None``: the caller has none).
+    ``targets_in_retention`` and ``unchanged_in_repair``: see :class:`Rules`.
 
-    All scores are in points. ``targets_in_retention`` (the sweep with several fine-tunes,
-    :mod:`dghard_cli.scoring.experts`): % retention is the mean over the improved benchmarks
-    *and* the targets, so HM weighs every expert's gain on its own benchmark; a missing
-    damaged partition is then a note (``notes``), not a warning. ``unchanged_in_repair`` (the
-    same sweep): an unchanged benchmark (a skill of the base no fine-tune moved beyond its margin)
-    enters % repair as the share of the base's level the candidate keeps, c/b·100 (b > 0; 100:
-    the base's level, 0: nothing of it), so a merge that loses what every expert kept is
-    penalised as one that fails to repair what an expert damaged. Raises InputError (exit 2) for a benchmark missing from the
-    fine-tune or a candidate, an unknown target, a negative margin or no candidate.
+    All scores are in points. The steps: the inputs checked and put on one scale, each
+    benchmark's margin and partition (:func:`partition`), what the partitions leave undefined
+    (:func:`coverage`), each candidate scored (:func:`score_one`) and ranked (:func:`ranking`).
+    Raises InputError (exit 2) for a benchmark missing from the fine-tune or a candidate, an
+    unknown target, a negative margin or no candidate.
     """
+    rules = Rules(targets_in_retention, unchanged_in_repair)
     if margin is not None and not (math.isfinite(margin) and margin >= 0):
         raise InputError(f"--margin must be a finite number >= 0, got {margin}")
     if fail_under is not None and not math.isfinite(fail_under):
@@ -140,7 +155,70 @@ def score_candidates(
     extra = [k for k in f if k not in b]
     if extra:
         warnings.append(f"benchmarks only in the fine-tune's results ignored: {', '.join(extra)}")
+    benchmarks = partition(base, b, f, target_list, margin, min_margin, stderr_factor, warnings)
+    counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
+    notes = coverage(counts, benchmarks, rules, warnings)
+    cands = []
+    for name, res in cand_list:
+        c = _scores(res, f"candidate {name}")
+        lab = _label(res, name)
+        miss = [k for k in b if k not in c]
+        if miss:
+            raise InputError(
+                f"candidate {name!r} ({lab}) lacks benchmark {miss[0]!r}"
+                f"{f' (and {len(miss) - 1} more)' if len(miss) > 1 else ''}; every candidate must be "
+                "evaluated on the base's benchmarks"
+            )
+        extra_c = [k for k in c if k not in b]
+        if extra_c:
+            warnings.append(f"candidate {name!r}: benchmarks not in the base ignored: {', '.join(extra_c)}")
+        cands.append(score_one(name, lab, c, benchmarks, rules))
+    order = ranking(cands)
+    for cd in cands:
+        cd["rank"] = order.index(cd["name"]) + 1
+    doc: dict = {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "score",
+        "tool": {"name": "dghard", "version": __version__},
+        "units": "points",
+        "margin": {
+            "fixed": margin,
+            "min_margin": min_margin,
+            "stderr_factor": stderr_factor,
+        },
+        "targets": target_list,
+        "counts": counts,
+        "benchmarks": benchmarks,
+        "candidates": cands,
+        "ranking": order,
+        "best": order[0],
+        "warnings": warnings,
+    }
+    if rules.targets_in_retention:
+        doc["retention_includes_targets"] = True
+        doc["notes"] = notes
+    if rules.unchanged_in_repair:
+        doc["unchanged_in_repair"] = True
+    others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
+    doc["units_assumed"] = scales.describe(base, others, min_margin)
+    warnings += scales.notes(base, others, units_option=units_option)
+    if fail_under is not None:
+        doc["gate"] = gate(doc, fail_under)
+    return doc
 
+
+def partition(
+    base: ResultFile | Mapping[str, ScoreLike],
+    b: dict[str, Score],
+    f: dict[str, Score],
+    targets: list[str],
+    margin: float | None,
+    min_margin: float,
+    stderr_factor: float,
+    warnings: list[str],
+) -> list[dict]:
+    """Each benchmark's margin and partition (damaged, improved, unchanged, or a target), in the
+    base's order; a target the fine-tune moved by less than its margin adds a warning."""
     benchmarks: list[dict] = []
     for k, sb in b.items():
         sf = f[k]
@@ -154,7 +232,7 @@ def score_candidates(
         else:
             m, rule = floor, "floor"
         change = sf.value - sb.value
-        if k in target_list:
+        if k in targets:
             part = "target"
             if abs(change) <= m:
                 warnings.append(
@@ -182,20 +260,25 @@ def score_candidates(
                 "unit": unit,
             }
         )
-    counts = {p: sum(1 for x in benchmarks if x["partition"] == p) for p in PARTITIONS}
+    return benchmarks
+
+
+def coverage(counts: dict[str, int], benchmarks: list[dict], rules: Rules, warnings: list[str]) -> list[str]:
+    """What the partitions leave undefined: a warning each (into ``warnings``), or, under
+    ``rules.targets_in_retention``, a note (returned) where that is expected."""
     notes: list[str] = []
-    gains = counts["improved"] + (counts["target"] if targets_in_retention else 0)
+    gains = counts["improved"] + (counts["target"] if rules.targets_in_retention else 0)
     kept = (
         [x for x in benchmarks if x["partition"] == "unchanged" and x["base"] > 0]
-        if unchanged_in_repair
+        if rules.unchanged_in_repair
         else []
     )
-    if targets_in_retention and counts["damaged"] == 0 and gains and kept:
+    if rules.targets_in_retention and counts["damaged"] == 0 and gains and kept:
         notes.append(
             "no benchmark outside the targets was damaged by any fine-tune: % repair is the share of the "
             f"base's level kept on the {len(kept)} unchanged one(s)"
         )
-    elif targets_in_retention and counts["damaged"] == 0 and gains:
+    elif rules.targets_in_retention and counts["damaged"] == 0 and gains:
         notes.append(
             "no benchmark outside the targets was damaged by any fine-tune: % repair is undefined and "
             "HM is the % retention (targets and improved benchmarks) alone"
@@ -210,72 +293,65 @@ def score_candidates(
         warnings.append("no damaged benchmarks: % repair is undefined and HM is the % retention alone")
     elif gains == 0:
         warnings.append("no improved benchmarks: % retention is undefined and HM is the % repair alone")
+    return notes
 
-    cands = []
-    for name, res in cand_list:
-        c = _scores(res, f"candidate {name}")
-        lab = _label(res, name)
-        miss = [k for k in b if k not in c]
-        if miss:
-            raise InputError(
-                f"candidate {name!r} ({lab}) lacks benchmark {miss[0]!r}"
-                f"{f' (and {len(miss) - 1} more)' if len(miss) > 1 else ''}; every candidate must be "
-                "evaluated on the base's benchmarks"
-            )
-        extra_c = [k for k in c if k not in b]
-        if extra_c:
-            warnings.append(f"candidate {name!r}: benchmarks not in the base ignored: {', '.join(extra_c)}")
-        rows = []
-        rep, ret, unch, tgt = [], [], [], {}
-        for bm in benchmarks:
-            k = bm["name"]
-            cv = c[k].value
-            bv, fv = bm["base"], bm["ft"]
-            part = bm["partition"]
-            if part == "damaged":
-                val = (cv - fv) / (bv - fv) * 100.0
+
+def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict], rules: Rules) -> dict:
+    """One candidate's scores: per benchmark (by its partition), % repair, % retention, HM."""
+    rows = []
+    rep, ret, unch, tgt = [], [], [], {}
+    for bm in benchmarks:
+        k = bm["name"]
+        cv = c[k].value
+        bv, fv = bm["base"], bm["ft"]
+        part = bm["partition"]
+        if part == "damaged":
+            val = (cv - fv) / (bv - fv) * 100.0
+            rep.append(val)
+        elif part == "improved":
+            val = (cv - bv) / (fv - bv) * 100.0
+            ret.append(val)
+        elif part == "unchanged":
+            val = cv - bv
+            if bm["unit"] != scales.UNBOUNDED:  # the mean is in points
+                unch.append(val)
+            if rules.unchanged_in_repair and bv > 0:  # the share of the base's level kept
+                val = cv / bv * 100.0
                 rep.append(val)
-            elif part == "improved":
-                val = (cv - bv) / (fv - bv) * 100.0
+        else:
+            val = (cv - bv) / (fv - bv) * 100.0 if fv != bv else None
+            tgt[k] = val
+            if rules.targets_in_retention and val is not None:
                 ret.append(val)
-            elif part == "unchanged":
-                val = cv - bv
-                if bm["unit"] != scales.UNBOUNDED:  # the mean is in points
-                    unch.append(val)
-                if unchanged_in_repair and bv > 0:  # the share of the base's level kept
-                    val = cv / bv * 100.0
-                    rep.append(val)
-            else:
-                val = (cv - bv) / (fv - bv) * 100.0 if fv != bv else None
-                tgt[k] = val
-                if targets_in_retention and val is not None:
-                    ret.append(val)
-            rows.append(
-                {
-                    "name": k,
-                    "partition": part,
-                    "value": cv,
-                    "stderr": c[k].stderr,
-                    "vs_base": cv - bv,
-                    "vs_ft": cv - fv,
-                    "score": val,
-                }
-            )
-        repair, retention = _mean(rep), _mean(ret)
-        defined_t = [v for v in tgt.values() if v is not None]
-        cands.append(
+        rows.append(
             {
-                "name": name,
-                "source": lab,
-                "repair": repair,
-                "retention": retention,
-                "hm": harmonic_mean(repair, retention),
-                "unchanged_mean_change": _mean(unch),
-                "target_retention": tgt,
-                "target_retention_mean": _mean(defined_t),
-                "benchmarks": rows,
+                "name": k,
+                "partition": part,
+                "value": cv,
+                "stderr": c[k].stderr,
+                "vs_base": cv - bv,
+                "vs_ft": cv - fv,
+                "score": val,
             }
         )
+    repair, retention = _mean(rep), _mean(ret)
+    defined_t = [v for v in tgt.values() if v is not None]
+    return {
+        "name": name,
+        "source": source,
+        "repair": repair,
+        "retention": retention,
+        "hm": harmonic_mean(repair, retention),
+        "unchanged_mean_change": _mean(unch),
+        "target_retention": tgt,
+        "target_retention_mean": _mean(defined_t),
+        "benchmarks": rows,
+    }
+
+
+def ranking(cands: list[dict]) -> list[str]:
+    """The candidates' names, best first: by HM, then % repair, then % retention (undefined
+    last), then the order given."""
 
     def rank_key(i_c: tuple[int, dict]) -> tuple:
         i, cd = i_c
@@ -288,38 +364,7 @@ def score_candidates(
             i,
         )
 
-    order = [cd["name"] for _, cd in sorted(enumerate(cands), key=rank_key)]
-    for cd in cands:
-        cd["rank"] = order.index(cd["name"]) + 1
-    doc: dict = {
-        "schema_version": SCHEMA_VERSION,
-        "kind": "score",
-        "tool": {"name": "dghard", "version": __version__},
-        "units": "points",
-        "margin": {
-            "fixed": margin,
-            "min_margin": min_margin,
-            "stderr_factor": stderr_factor,
-        },
-        "targets": target_list,
-        "counts": counts,
-        "benchmarks": benchmarks,
-        "candidates": cands,
-        "ranking": order,
-        "best": order[0],
-        "warnings": warnings,
-    }
-    if targets_in_retention:
-        doc["retention_includes_targets"] = True
-        doc["notes"] = notes
-    if unchanged_in_repair:
-        doc["unchanged_in_repair"] = True
-    others = [("ft", ft), *((f"candidate {n}", r) for n, r in cand_list)]
-    doc["units_assumed"] = scales.describe(base, others, min_margin)
-    warnings += scales.notes(base, others, units_option=units_option)
-    if fail_under is not None:
-        doc["gate"] = gate(doc, fail_under)
-    return doc
+    return [cd["name"] for _, cd in sorted(enumerate(cands), key=rank_key)]
 
 
 def gate(doc: dict, fail_under: float) -> dict:
