@@ -516,6 +516,17 @@ DENSITIES = {"ties": (0.2, 0.1, 0.5), "dare-ties": (0.5, 0.2, 0.8), "della": (0.
 LINES_GRID = ((0.2, 0.3), (0.3, 0.6), (0.5, 0.5))
 SPECTRAL = ("tsv", "iso-c", "iso-cts")
 SPECTRAL_ALPHAS = (1.0, 0.3, 0.6, 1.4, 2.0)  # their scale α (default 1)
+#: The merges of 2025-26 (STAR, CART, WUDI, and SVC after task arithmetic and Iso-C), each at its
+#: paper's defaults (WUDI also at 50 steps), in this dghard's output dtype; the plain ones also
+#: with --lines. Skipped where this dghard has no such method.
+NEW_2026: tuple[tuple[str, str, list[str]], ...] = (
+    ("star", "defaults (η 40)", ["--method", "star"]),
+    ("cart", "defaults (ρ 0.12, λ 2)", ["--method", "cart"]),
+    ("wudi", "300 steps (default)", ["--method", "wudi"]),
+    ("wudi", "50 steps", ["--method", "wudi", "--steps", "50"]),
+    ("task-arithmetic + svc", "λ 1.0, SVC α 0.1", ["--method", "task-arithmetic", "--calibrate", "svc"]),
+    ("iso-c + svc", "α 1.0, SVC α 0.1, bf16", ["--method", "iso-c", "--calibrate", "svc", "--dtype", "bf16"]),
+)
 CALIB_PER_SKILL = 8
 
 
@@ -578,6 +589,11 @@ def candidates(methods: set[str], calib: Path, quick: bool = False) -> list[Cand
                     method, f"α {alpha}, bf16", ["--method", method, "--alpha", str(alpha), "--dtype", "bf16"]
                 )
             defaults.append((method, ["--method", method, "--dtype", "bf16"]))
+    for family, setting, argv in NEW_2026:
+        if argv[1] in methods:
+            add(family, setting, argv)
+            if "+" not in family and family not in {f for f, _ in defaults}:
+                defaults.append((family, argv))
     for family, argv in defaults:
         for a, b in LINES_GRID:
             add(f"{family} + --lines", f"A {a}, B {b}", [*argv, "--lines", f"{a},{b}"])

@@ -142,7 +142,10 @@ def test_full_candidate_grid_covers_every_method(tmp_path: Path) -> None:
     fams = {c.family for c in cands}
     plain = {"task-arithmetic", "ties", "dare-linear", "dare-ties", "breadcrumbs", "della"}
     plain |= {"model-stock", "recall", "dg-hard"} | (set(mb.SPECTRAL) & methods)
-    assert fams == plain | {f"{f} + --lines" for f in plain}
+    plain |= {"star", "cart", "wudi"} & methods
+    post = {f for f, _, argv in mb.NEW_2026 if "+" in f and argv[1] in methods}
+    assert post == {"task-arithmetic + svc", "iso-c + svc"}
+    assert fams == plain | post | {f"{f} + --lines" for f in plain}
     assert len({c.name for c in cands}) == len(cands)
     assert all(c.argv[0] == "--method" for c in cands)
 
