@@ -88,7 +88,7 @@ KINDS: dict[str, FamilyKind] = {
             ("a", "b", "scale", *_REPAIR_FIXED),
             {"a": (0.0, 1.0), "b": (0.0, 1.0), "scale": _SCALE_RANGE},
         ),
-        # two axes (α, β): parsed, searched and written by sweep/lines.py
+        # two axes (α, β): parsed, searched and written by sweeping/lines.py
         FamilyKind(
             "lines",
             "repair",
@@ -143,7 +143,7 @@ class FamilyEntry:
     fine_tunes: str | None = None  # "one" | "several" | "any"; None: the family's default
     index: int = 0  # position in the file (for messages and the report)
     #: where the entry comes from: "file" (an entry of ``families``), "merges" (made from the
-    #: ``merges:`` block, one per registered merge method), "follow-up" (sweep/merges.py)
+    #: ``merges:`` block, one per registered merge method), "follow-up" (sweeping/merges.py)
     origin: str = "file"
     followups: dict | None = None  # "merges" entries: the block's density grid and lines pairs
 

@@ -48,7 +48,7 @@ class LinesEntry(FamilyEntry):
     refine_groups: bool = False  # dghard sweep --refine groups
     num_layers: int | None = None  # bound from FT when the sweep opens its inputs
     grid_pairs: list[tuple[float, float]] = field(default_factory=list)
-    #: a merge under the schedule (sweep/merges.py follow-up): the merge candidate's parameters,
+    #: a merge under the schedule (sweeping/merges.py follow-up): the merge candidate's parameters,
     #: to which each point adds ``lines``; None: ``dghard repair --lines``
     merge_params: tuple | None = None
 

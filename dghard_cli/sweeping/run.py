@@ -80,7 +80,7 @@ def round_in(s: SweepState, entries: list[FamilyEntry], budget: int) -> list[tup
 
 
 def search(s: SweepState) -> None:
-    """The entries' search, round by round; with ``merges:`` follow-ups (sweep/merges.py),
+    """The entries' search, round by round; with ``merges:`` follow-ups (sweeping/merges.py),
     the strength search first (all but the follow-ups' reserve), then the follow-ups of the
     best merge, then whatever the strength search has left."""
     first = list(s.active)

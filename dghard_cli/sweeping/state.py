@@ -33,7 +33,7 @@ class SweepOptions:
     ft_results: list[Path] = field(default_factory=list)  # FT's, then each extra fine-tune's
     extra_fts: list[str] = field(default_factory=list)  # more fine-tunes of BASE: merge families
     eval_timeout: float | None = None
-    lm_eval: dict | None = None  # --lm-eval: tasks, backend, args (sweep/lm_eval.py), for the report
+    lm_eval: dict | None = None  # --lm-eval: tasks, backend, args (sweeping/lm_eval.py), for the report
     min_target_retention: float | None = None  # None: effective_bar's default
     fail_under: float | None = None
     margin: float | None = None
@@ -49,7 +49,7 @@ class SweepOptions:
     plot: bool = True
     refine: list[str] = field(default_factory=list)  # "groups": per-group refinement of lines
     on_event: Callable[[dict], None] | None = None  # progress (the CLI prints these)
-    # execution (sweep/executors.py): how many evaluations at once, where
+    # execution (sweeping/executors.py): how many evaluations at once, where
     jobs: int | None = None  # None: one, or one per --devices entry
     devices: list[str] | None = None  # one per running evaluation (CUDA_VISIBLE_DEVICES, {device})
     executor: str = "local"  # "local" | "ray"
