@@ -53,6 +53,21 @@ class CheckpointKind:
         self.added = dict(added or {})
         self.stages: dict[str, float] = {}  # where the streaming time went (StageClock.report)
         self.streamed = False  # every tensor is in the stage
+        # set by prepare()
+        self.req: WriteRequest | None = None
+        self.device: torch.device | None = None
+        self.timings: dict = {}
+        self.before = 0.0  # what the command spent before the writer (counted in the total)
+        self.side_sources: list = []  # (directory, names to skip) of the side files to copy
+        self.side_left_out: list = []  # (name, directory) of those a merge leaves behind
+        self.side: list = []  # (name, size) of every side file to copy
+        self.input_warnings: list[str] = []
+        self.swap_ruled_out = False
+        # set by open_stage() and write_side_files()
+        self.stage: OutputStage | None = None
+        self.resumed_tensors = 0
+        self.progress: Progress | None = None
+        self.side_from: dict[str, Path] = {}  # side file -> the directory it was copied from
 
     def _total(self) -> float:
         return time.perf_counter() - self.t_start + self.before
@@ -169,7 +184,7 @@ class CheckpointKind:
                         "weight_map": dict(sorted(weight_map.items())),
                     },
                 )
-            self.side_from: dict[str, Path] = {}
+            self.side_from = {}
             for d, skip in self.side_sources:
                 for n in stage.copy_side_files(d, skip):
                     self.side_from[n] = Path(d)  # a later source's file replaces an earlier one's

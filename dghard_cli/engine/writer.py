@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 
+from dghard_cli.engine.device import resolve_device
 from dghard_cli.engine.ops import TensorOp, base_record
 from dghard_cli.engine.pipeline import EngineOptions
 from dghard_cli.engine.plan import Plan
@@ -311,8 +312,6 @@ def failures(
 def write_output(req: WriteRequest, kind: OutputKind) -> dict:
     """Write the run ``req`` describes into OUT as ``kind``; returns the report document (with
     ``req.run.dry_run``: the plan's report, nothing written)."""
-    from dghard_cli.engine.device import resolve_device
-
     device = resolve_device(req.run.device)
     target = req.target or OutputTarget.check(req.out, req.run, req.base, req.fts)
     writes = kind.prepare(req, device)

@@ -19,6 +19,7 @@ from pathlib import Path
 from dghard_cli.architecture import EMBED, HEAD, ModelDepth, Place, format_ranges, place_depth, tensor_place
 from dghard_cli.architecture import unknown_place_message as _unknown
 from dghard_cli.errors import InputError
+from dghard_cli.numbers import flag_value
 
 #: A group of the per-group form: ``"embed"``, ``"head"`` or an inclusive block range.
 GroupKey = str | tuple[int, int]
@@ -43,7 +44,7 @@ def _number(text: str, what: str) -> float:
 
 
 def _fmt(v: float) -> str:
-    return repr(float(v))
+    return flag_value(float(v))
 
 
 def _key_text(key: GroupKey) -> str:
