@@ -535,8 +535,12 @@ def cmd_table(args: argparse.Namespace) -> int:
     evaluate_both(base, "BASE")
     evaluate_both(ft, "FT")
     cand = work / "candidate"
+    only = {f.strip() for f in args.only.split(",") if f.strip()}
+    unknown = only - {c[0] for c in CANDIDATES} - {"none"}
+    if unknown:
+        raise SystemExit(f"--only: no such row(s) {', '.join(sorted(unknown))}")
     for i, (name, _fam, _set, argv) in enumerate(CANDIDATES, 1):
-        if (res_dir / f"{name}.test.json").exists():
+        if (res_dir / f"{name}.test.json").exists() or (only and name not in only):
             continue
         shutil.rmtree(cand, ignore_errors=True)
         t0 = time.time()
@@ -550,7 +554,7 @@ def cmd_table(args: argparse.Namespace) -> int:
             flush=True,
         )
     for n in [int(b) for b in args.budgets.split(",") if b.strip()]:
-        name = f"sweep-{n}"
+        name = sweep_name(n, args.objective)
         if (res_dir / f"{name}.test.json").exists():
             continue
         out = work / name
@@ -559,7 +563,9 @@ def cmd_table(args: argparse.Namespace) -> int:
         tmpl += f" --split val --scenario {shlex.quote(str(work / 'scenario.json'))}"
         t0 = time.time()
         res = dghard_cmd(
-            ["sweep", str(base), str(ft), str(out), "--eval", tmpl, "--budget", str(n), "--json"], True
+            ["sweep", str(base), str(ft), str(out), "--eval", tmpl, "--budget", str(n), "--json"]
+            + ["--objective", args.objective],
+            True,
         )
         doc = json.loads(res.stdout)
         (res_dir / f"{name}.sweep.json").write_text(json.dumps(doc, indent=1))
@@ -653,10 +659,10 @@ def cmd_spectrum(args: argparse.Namespace) -> int:
     return 0
 
 
-def bench_parser(doc: str, budgets: str, rows: bool = False) -> tuple[argparse.ArgumentParser, object]:
+def bench_parser(doc: str, budgets: str, rows: str = "rows") -> tuple[argparse.ArgumentParser, object]:
     """The real-model benchmarks' command line: ``build``, ``eval`` and ``table`` (shared with
-    scripts/real_merge_bench.py; ``rows``: its ``table --only``); returns the parser and its
-    subparsers for more commands."""
+    scripts/real_merge_bench.py; ``rows`` names what ``table --only`` selects); returns the parser
+    and its subparsers for more commands."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     b = sub.add_parser("build")
@@ -670,18 +676,27 @@ def bench_parser(doc: str, budgets: str, rows: bool = False) -> tuple[argparse.A
     t = sub.add_parser("table")
     t.add_argument("workdir")
     t.add_argument("--budgets", default=budgets)
-    if rows:
-        t.add_argument(
-            "--only",
-            default="",
-            help="comma-separated table rows (families) to compute and print, e.g. task-arithmetic,wudi "
-            "(default: every row)",
-        )
+    t.add_argument(
+        "--objective",
+        default="hm",
+        choices=("hm", "retention", "normalised-accuracy"),
+        help="the sweeps' --objective (default hm; another one names the row sweep-N-OBJECTIVE)",
+    )
+    t.add_argument(
+        "--only",
+        default="",
+        help=f"comma-separated table {rows} to compute, or none for the sweeps alone (default: every one)",
+    )
     return ap, sub
 
 
+def sweep_name(budget: int, objective: str) -> str:
+    """A sweep row's results name: ``sweep-N``, or ``sweep-N-OBJECTIVE`` for another objective."""
+    return f"sweep-{budget}" if objective == "hm" else f"sweep-{budget}-{objective}"
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap, sub = bench_parser(__doc__, "")
+    ap, sub = bench_parser(__doc__, "", rows="rows (e.g. wise-ft-0.4,ties-0.2)")
     sp = sub.add_parser("spectrum", help="the fine-tune's delta per matrix kind (dghard inspect)")
     sp.add_argument("workdir")
     args = ap.parse_args(argv)

@@ -382,7 +382,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap, _ = rfb.bench_parser(__doc__, "16", rows=True)
+    ap, _ = rfb.bench_parser(__doc__, "16", rows="rows (families, e.g. task-arithmetic,wudi)")
     args = ap.parse_args(argv)
     return {"build": cmd_build, "eval": cmd_eval, "table": cmd_table}[args.cmd](args)
 
@@ -550,8 +550,8 @@ class Table:
         finally:
             shutil.rmtree(self.cand, ignore_errors=True)
 
-    def sweep(self, budget: int) -> dict:
-        name = f"sweep-{budget}"
+    def sweep(self, budget: int, objective: str = "hm") -> dict:
+        name = rfb.sweep_name(budget, objective)
         rep = self.res_dir / f"{name}.sweep.json"
         if rep.exists():
             return json.loads(rep.read_text())
@@ -564,6 +564,7 @@ class Table:
         for e in self.experts[1:]:
             argv += ["--merge-ft", str(e)]
         argv += ["--eval", tmpl, "--budget", str(budget), "--units", "points", "--json", "--dtype", "bf16"]
+        argv += ["--objective", objective]
         argv += ["--base-results", str(self.res_dir / "BASE.val.json")]
         for t in TASKS:
             argv += ["--ft-results", str(self.res_dir / f"expert-{t}.val.json")]
@@ -597,7 +598,7 @@ def cmd_table(args: argparse.Namespace) -> int:
     cands = candidates(calib)
     only = {f.strip() for f in args.only.split(",") if f.strip()}
     if only:
-        unknown = only - {c.family for c in cands}
+        unknown = only - {c.family for c in cands} - {"none"}
         if unknown:
             raise SystemExit(f"--only: no such row(s) {', '.join(sorted(unknown))}")
         cands = [c for c in cands if c.family in only]
@@ -637,14 +638,14 @@ def cmd_table(args: argparse.Namespace) -> int:
         tb.run(c, "test")
         print(f"[table] test {i}/{len(chosen)} {c.name} ({time.time() - t0:.0f} s)", flush=True)
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
-    sweeps = {n: tb.sweep(n) for n in budgets}
+    sweeps = {rfb.sweep_name(n, args.objective): tb.sweep(n, args.objective) for n in budgets}
     print_table(tb, fams, best, sweeps)
     ev, wr = tb.times["eval"], tb.times["write"]
     print()
     print(
         f"this call: {time.time() - t_start:.0f} s; {len(wr)} merges written ({sum(wr) / max(1, len(wr)):.0f} s each), "
         f"{len(ev)} evaluations ({sum(ev) / max(1, len(ev)):.0f} s each); "
-        + "; ".join(f"sweep --budget {n} {d.get('_wall_s', 0):.0f} s" for n, d in sweeps.items())
+        + "; ".join(f"{n} {d.get('_wall_s', 0):.0f} s" for n, d in sweeps.items())
     )
     return 0
 
@@ -696,7 +697,10 @@ def print_table(tb: Table, fams: dict, best: dict, sweeps: dict) -> None:
         row(fam, f"best of {len(cs)}: {b.setting}" if len(cs) > 1 else b.setting, b.name)
     for n, doc in sweeps.items():
         win = doc.get("winner") or {}
-        row(f"dghard sweep --budget {n}", f"winner {win.get('name')}", f"sweep-{n}" if win else None)
+        label = f"dghard sweep --budget {doc['budget']['total']}"
+        if doc["options"].get("objective", "hm") != "hm":
+            label += f" --objective {doc['options']['objective']}"
+        row(label, f"winner {win.get('name')}", n if win else None)
     # paired differences on test: the best rows against task arithmetic and TIES
     ranked = sorted(
         (c for c in best.values() if c is not None and tb.result(c.name, "test")),
@@ -705,11 +709,7 @@ def print_table(tb: Table, fams: dict, best: dict, sweeps: dict) -> None:
     peers = [best.get("task-arithmetic"), best.get("ties")]
     news = {f for f, _, _ in NEW_2026}
     leaders = ranked[:3] + [c for c in ranked[3:] if c.family in SPECTRAL or c.family in news]
-    leaders += [
-        Candidate(f"sweep-{n}", f"sweep --budget {n}", "winner", [])
-        for n in sweeps
-        if tb.result(f"sweep-{n}", "test")
-    ]
+    leaders += [Candidate(n, n, "winner", []) for n in sweeps if tb.result(n, "test")]
 
     def outcomes(name: str) -> dict:
         return json.loads((tb.res_dir / f"{name}.test.outcomes.json").read_text())

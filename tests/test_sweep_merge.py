@@ -192,10 +192,13 @@ def test_expert_reference_and_pooled_retention_by_hand():
     assert abs(cd["retention"] - retention) < 1e-12 and abs(cd["repair"] - repair) < 1e-12
     assert abs(cd["hm"] - 2 * repair * retention / (repair + retention)) < 1e-12
     assert abs(cd["target_retention"]["d1"] - (55 - 40) / (78 - 40) * 100) < 1e-12
+    # normalised accuracy: the improved benchmark and the target, each over its expert's score
+    assert abs(cd["normalised_accuracy"] - (60 / 80 + 55 / 78) / 2 * 100) < 1e-12
     assert doc["counts"] == {"damaged": 1, "improved": 1, "unchanged": 1, "target": 1}
     # one fine-tune: targets stay apart from % retention (score's definitions, unchanged)
     single = score_candidates(base, e1, [("c", cand)], targets=["d1"])["candidates"][0]
     assert single["retention"] is None and single["hm"] == single["repair"]
+    assert abs(single["normalised_accuracy"] - 55 / 78 * 100) < 1e-12  # d0 is damaged by e1: out
     # no benchmark damaged by any expert: a note, not a warning
     quiet = {"d0": Score(80.0), "d1": Score(78.0), "gen": Score(70.0), "chat": Score(50.0)}
     d2 = score_candidates(base, quiet, [("c", cand)], targets=["d1"], targets_in_retention=True)
@@ -262,6 +265,8 @@ def test_multi_expert_scores_match_the_float64_reference(experts, swept):
         rep, ret, hm = ref_multi_expert(base_s, ft_s, cand, TARGETS)
         assert abs(r["repair"] - rep) < 1e-3 and abs(r["retention"] - ret) < 1e-3, r["name"]
         assert abs(r["hm"] - hm) < 1e-3, (r["name"], r["hm"], hm)
+        norm = np.mean([cand[t] / max(f[t] for f in ft_s) * 100 for t in TARGETS])
+        assert abs(r["normalised_accuracy"] - norm) < 1e-3, (r["name"], r["normalised_accuracy"], norm)
     best = max(r["hm"] for r in rows)
     assert doc["winner"] is not None and abs(doc["winner"]["hm"] - best) < 1e-9
     assert not any("undefined" in w for w in doc["warnings"])
@@ -320,6 +325,47 @@ def test_families_within_the_tie_tolerance_each_get_their_schedule_tried(experts
         own = [b for b in before if b["params"]["method"] == r["params"]["method"]]
         want = max(own, key=lambda b: b["hm"])["params"]
         assert {k: v for k, v in r["params"].items() if k != "lines"} == want
+
+
+def test_the_normalised_accuracy_objective_searches_and_chooses_on_the_new_skills_alone(
+    experts, swept, tmp_path
+):
+    """``--objective normalised-accuracy``: the winner, the refinements and the follow-ups all
+    follow the merging literature's score (the targets over their experts), not HM, which also
+    weighs the base's damaged skills; ``--fail-under`` gates on it."""
+    doc = _sweep(experts, tmp_path / "na", budget=16, objective="normalised-accuracy", fail_under=1000.0)
+    assert doc["options"]["objective"] == "normalised-accuracy"
+    rows = [r for r in doc["candidates"] if r["status"] == "ok"]
+    best = max(r["normalised_accuracy"] for r in rows)
+    w = doc["winner"]
+    assert w is not None and w["normalised_accuracy"] == best
+    # on the same coarse grid, HM and normalised accuracy disagree on the best merge
+    hm_doc, _ = swept
+    coarse = lambda d: {r["name"]: r for r in d["candidates"] if r["phase"] == "coarse"}  # noqa: E731
+    a, b = coarse(doc), coarse(hm_doc)
+    assert a.keys() == b.keys()
+    assert (
+        max(a.values(), key=lambda r: r["normalised_accuracy"])["name"]
+        != max(b.values(), key=lambda r: r["hm"])["name"]
+    )
+    # the follow-ups start from the best merge by the objective
+    follow = [r for r in doc["candidates"] if r["phase"] == "follow-up"]
+    assert follow
+    before = [r for r in rows if r["order"] < min(f["order"] for f in follow)]
+    top = max(before, key=lambda r: r["normalised_accuracy"])
+    assert {k: v for k, v in follow[0]["params"].items() if k not in ("lines", "calibrate")} == top["params"]
+    assert doc["gate"]["objective"] == "normalised-accuracy" and doc["gate"]["value"] == best
+    assert doc["gate"]["passed"] is False and "normalised accuracy" in doc["gate"]["reason"]
+
+
+def test_an_unknown_objective_is_refused_in_one_line(experts, tmp_path):
+    from dghard_cli.errors import InputError
+
+    with pytest.raises(
+        InputError, match=r"--objective 'accuracy' is not one of hm, retention, normalised-accuracy"
+    ):
+        _sweep(experts, tmp_path / "bad", budget=2, objective="accuracy")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_a_winner_where_the_single_fine_tune_bar_finds_none(experts, swept, tmp_path):

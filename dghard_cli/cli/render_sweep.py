@@ -71,6 +71,11 @@ def render_sweep(console: Console, doc: dict) -> None:
                 f"winner: {w['name']}  HM {_fmt_sweep(w['hm'])}  repair {_fmt_sweep(w['repair'])} %  retention "
                 f"{_fmt_sweep(w['retention'])} %"
                 + (
+                    f"  normalised accuracy {_fmt_sweep(w.get('normalised_accuracy'))} %"
+                    if doc["options"].get("objective") == "normalised-accuracy"
+                    else ""
+                )
+                + (
                     f"  target {_fmt_sweep(w['target_retention_mean'])} %"
                     if doc["options"]["targets"]
                     else ""

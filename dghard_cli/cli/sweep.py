@@ -137,7 +137,9 @@ def sweep_cmd(
     ] = None,
     fail_under: Annotated[
         Optional[float],
-        typer.Option(help="Exit 1 when the winner's HM is below this (or there is no winner)."),
+        typer.Option(
+            help="Exit 1 when the winner's --objective (HM by default) is below this (or there is no winner)."
+        ),
     ] = None,
     margin: Annotated[
         Optional[float],
@@ -159,10 +161,21 @@ def sweep_cmd(
             "little of an expert's skill).",
         ),
     ] = "auto",
+    objective: Annotated[
+        str,
+        typer.Option(
+            "--objective",
+            metavar="hm|retention|normalised-accuracy",
+            help="What the search maximises: hm (of % repair of what the fine-tune damaged and % retention "
+            "of what it gained), retention (the gains alone), or normalised-accuracy (the merging "
+            "literature's: each improved benchmark's score as a % of its fine-tune's, averaged; the "
+            "base's old abilities are reported, not weighed).",
+        ),
+    ] = "hm",
     tie_tolerance: Annotated[
         float,
         typer.Option(
-            help="Candidates within this many HM points of the best are tied; the closest to FT wins."
+            help="Candidates within this many points of the best --objective are tied; the closest to FT wins."
         ),
     ] = 0.0,
     refine: Annotated[
@@ -276,6 +289,7 @@ def sweep_cmd(
             margin=margin,
             metric=metric,
             units=units,
+            objective=objective,
             tie_tolerance=tie_tolerance,
             device=device,
             dtype=dtype,

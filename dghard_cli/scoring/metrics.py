@@ -1,6 +1,13 @@
 """The partition-conditioned metrics of ``dghard score``: each benchmark is damaged, improved
 or unchanged by the fine-tune (beyond a margin); a candidate is scored by % repair on the
-damaged ones, % retention on the improved ones and their harmonic mean (HM)."""
+damaged ones, % retention on the improved ones and their harmonic mean (HM).
+
+Beside them, the merging literature's **normalised accuracy**: the mean, over the improved
+benchmarks and the targets, of the candidate's score as a % of the fine-tune's (with several
+fine-tunes, of each benchmark's expert's). It ignores what the base could do, so a sweep that
+maximises it (``dghard sweep --objective normalised-accuracy``) chooses on the new skills alone.
+A benchmark in unbounded units, or whose fine-tune score is not above 0, has no such ratio and
+is left out of that mean."""
 
 from __future__ import annotations
 
@@ -299,7 +306,7 @@ def coverage(counts: dict[str, int], benchmarks: list[dict], rules: Rules, warni
 def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict], rules: Rules) -> dict:
     """One candidate's scores: per benchmark (by its partition), % repair, % retention, HM."""
     rows = []
-    rep, ret, unch, tgt = [], [], [], {}
+    rep, ret, unch, tgt, norm = [], [], [], {}, []
     for bm in benchmarks:
         k = bm["name"]
         cv = c[k].value
@@ -323,6 +330,8 @@ def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict
             tgt[k] = val
             if rules.targets_in_retention and val is not None:
                 ret.append(val)
+        if part in ("improved", "target") and bm["unit"] != scales.UNBOUNDED and fv > 0:
+            norm.append(cv / fv * 100.0)
         rows.append(
             {
                 "name": k,
@@ -342,6 +351,7 @@ def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict
         "repair": repair,
         "retention": retention,
         "hm": harmonic_mean(repair, retention),
+        "normalised_accuracy": _mean(norm),
         "unchanged_mean_change": _mean(unch),
         "target_retention": tgt,
         "target_retention_mean": _mean(defined_t),

@@ -1,5 +1,6 @@
 """Choosing among scored candidates: feasibility (every target keeps enough of the fine-tune's
-gain), HM, closeness to the fine-tune; and the distance that measures that closeness."""
+gain), the objective (HM by default), closeness to the fine-tune; and the distance that measures
+that closeness."""
 
 from __future__ import annotations
 
@@ -9,6 +10,12 @@ import numpy as np
 import torch
 
 from dghard_cli.io.checkpoint import Checkpoint
+
+#: ``--objective``: what the sweep maximises, and the score field (of ``dghard score``) it reads.
+OBJECTIVES = {"hm": "hm", "retention": "retention", "normalised-accuracy": "normalised_accuracy"}
+
+#: How each objective is named in messages.
+OBJECTIVE_LABELS = {"hm": "HM", "retention": "% retention", "normalised-accuracy": "normalised accuracy"}
 
 #: Row blocks of the distance computation (float64 bytes per input block).
 DISTANCE_BLOCK_BYTES = 64 * 1024 * 1024
@@ -74,28 +81,41 @@ def target_ok(cd: dict, min_retention: float | None) -> bool:
     return all(v is None or v >= min_retention for v in cd["target_retention"].values())
 
 
-def objective(cd: dict | None, distance: float, min_retention: float | None) -> tuple | None:
-    """What the search maximises: feasible first, then HM (infeasible: the worst target's
-    retention, so refinement moves toward feasibility), then closeness to the fine-tune."""
+def objective(
+    cd: dict | None, distance: float, min_retention: float | None, measure: str = "hm"
+) -> tuple | None:
+    """What the search maximises: feasible first, then the ``measure`` (a key of
+    :data:`OBJECTIVES`; infeasible: the worst target's retention, so refinement moves toward
+    feasibility), then closeness to the fine-tune."""
     if cd is None:
         return None
-    if cd["hm"] is None:
+    value = cd[OBJECTIVES[measure]]
+    if value is None:
         return (-1, 0.0, -distance)
     if target_ok(cd, min_retention):
-        return (1, cd["hm"], -distance)
+        return (1, value, -distance)
     worst = min((v for v in cd["target_retention"].values() if v is not None), default=-math.inf)
     return (0, worst, -distance)
 
 
 def choose_winner(
-    rows: list[dict], min_retention: float | None, tie_tolerance: float
+    rows: list[dict], min_retention: float | None, tie_tolerance: float, measure: str = "hm"
 ) -> tuple[dict | None, str | None]:
-    """The winner among scored candidate rows (``hm``, ``feasible``, ``distance``, ``order``)."""
+    """The winner among scored candidate rows (the ``measure``'s field, ``feasible``,
+    ``distance``, ``order``)."""
+    key = OBJECTIVES[measure]
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
         return None, "no candidate could be evaluated (see each candidate's status and message)"
-    defined = [r for r in ok if r["hm"] is not None]
+    defined = [r for r in ok if r[key] is not None]
     if not defined:
+        if measure == "normalised-accuracy":
+            return None, (
+                "normalised accuracy is undefined for every candidate (no improved benchmark or target "
+                "scored above 0 by the fine-tune, in bounded units)"
+            )
+        if measure == "retention":
+            return None, "% retention is undefined for every candidate (no improved benchmarks)"
         return None, "HM is undefined for every candidate (no damaged and no improved benchmarks)"
     feasible = [r for r in defined if r["feasible"]]
     if not feasible:
@@ -103,6 +123,6 @@ def choose_winner(
             f"no candidate keeps at least {min_retention:g} % of the fine-tune's gain on every target "
             "(--min-target-retention)"
         )
-    best = max(r["hm"] for r in feasible)
-    tied = [r for r in feasible if r["hm"] >= best - tie_tolerance]
+    best = max(r[key] for r in feasible)
+    tied = [r for r in feasible if r[key] >= best - tie_tolerance]
     return min(tied, key=lambda r: (r["distance"], r["order"])), None

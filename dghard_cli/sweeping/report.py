@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 from dghard_cli._version import __version__
+from dghard_cli.sweeping.choose import OBJECTIVE_LABELS, OBJECTIVES
 from dghard_cli.sweeping.state import SweepState
 
 SCHEMA_VERSION = 1
@@ -53,6 +54,7 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
                 "hm",
                 "repair",
                 "retention",
+                "normalised_accuracy",
                 "unchanged_mean_change",
                 "target_retention",
                 "target_retention_mean",
@@ -63,15 +65,25 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
         win["rewritten_at_end"] = regenerated
     gate = None
     if o.fail_under is not None:
-        hm = winner["hm"] if winner else None
-        passed = hm is not None and hm >= o.fail_under
+        label = OBJECTIVE_LABELS[o.objective]
+        value = winner[OBJECTIVES[o.objective]] if winner else None
+        passed = value is not None and value >= o.fail_under
         if winner is None:
             why = f"no winner ({reason}), so the gate at {o.fail_under:g} cannot pass"
+        elif value is None:
+            why = f"winner {winner['name']!r}: {label} is undefined, so the gate at {o.fail_under:g} cannot pass"
         elif passed:
-            why = f"winner {winner['name']!r}: HM {hm:.2f} >= {o.fail_under:g}"
+            why = f"winner {winner['name']!r}: {label} {value:.2f} >= {o.fail_under:g}"
         else:
-            why = f"winner {winner['name']!r}: HM {hm:.2f} is below --fail-under {o.fail_under:g}"
-        gate = {"fail_under": o.fail_under, "hm": hm, "passed": passed, "reason": why}
+            why = f"winner {winner['name']!r}: {label} {value:.2f} is below --fail-under {o.fail_under:g}"
+        gate = {
+            "fail_under": o.fail_under,
+            "objective": o.objective,
+            "value": value,
+            "hm": winner["hm"] if winner else None,
+            "passed": passed,
+            "reason": why,
+        }
     refs = dict(s.refs)
     for label, ref in refs.items():
         nm = {"base": "BASE", "ft": "FT"}.get(label, f"FT #{label[2:]}")
@@ -100,6 +112,7 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
             "margin": o.margin,
             "metric": o.metric,
             "min_target_retention": s.bar,
+            "objective": o.objective,
             "tie_tolerance": o.tie_tolerance,
             "fail_under": o.fail_under,
             "device": o.device,

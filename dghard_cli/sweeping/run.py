@@ -143,7 +143,7 @@ def derive_followups(s: SweepState) -> list[FamilyEntry]:
 
 
 def finish(s: SweepState) -> dict:
-    winner, reason = choose_winner(s.rows, s.bar, s.opts.tie_tolerance)
+    winner, reason = choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective)
     shutil.rmtree(s.stage / "jobs", ignore_errors=True)
     final = s.stage / "final"
     shutil.rmtree(final, ignore_errors=True)

@@ -15,6 +15,7 @@ from dghard_cli.io.paths import Output, check_outputs
 from dghard_cli.lora.source import is_adapter, open_ft
 from dghard_cli.sweeping.cache import input_identity
 from dghard_cli.sweeping.candidate_file import load_candidates, parse_candidates
+from dghard_cli.sweeping.choose import OBJECTIVES
 from dghard_cli.sweeping.defaults import DEFAULT_MIN_TARGET_RETENTION
 from dghard_cli.sweeping.evaluate import check_template
 from dghard_cli.sweeping.execution import plan_execution
@@ -44,6 +45,8 @@ def validate(s: SweepState) -> None:
     ):
         if v is not None and not math.isfinite(v):
             raise InputError(f"{name} must be finite, got {v}")
+    if o.objective not in OBJECTIVES:
+        raise InputError(f"--objective {o.objective!r} is not one of {', '.join(OBJECTIVES)}")
     if o.tie_tolerance < 0:
         raise InputError(f"--tie-tolerance must be >= 0 points, got {o.tie_tolerance}")
     if o.margin is not None and not (math.isfinite(o.margin) and o.margin >= 0):

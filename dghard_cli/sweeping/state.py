@@ -40,6 +40,8 @@ class SweepOptions:
     metric: list[str] | None = None
     units: str = "auto"  # auto | fraction | points: how every results file's numbers are read
     tie_tolerance: float = 0.0
+    #: what the search maximises (sweeping/choose.OBJECTIVES): hm | retention | normalised-accuracy
+    objective: str = "hm"
     device: str = "auto"
     #: output dtype of every candidate's floating tensors (``--dtype``, a safetensors name such as
     #: BF16); None: each command's default (the fine-tune's)
@@ -91,6 +93,7 @@ class CandidateRow(TypedDict, total=False):
     repair: float | None
     retention: float | None
     hm: float | None
+    normalised_accuracy: float | None
     unchanged_mean_change: float | None
     target_retention: dict | None
     target_retention_mean: float | None

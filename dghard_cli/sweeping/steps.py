@@ -558,7 +558,7 @@ def keep_or_drop(s: SweepState, key: str) -> None:
     if not cdir.exists():
         shutil.rmtree(jdir, ignore_errors=True)
         return
-    winner, _ = choose_winner(s.rows, s.bar, s.opts.tie_tolerance)
+    winner, _ = choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective)
     if winner is not None and winner["key"] == key:
         wdir = s.stage / "winner"
         drop(s, wdir)
@@ -624,7 +624,9 @@ def progress_doc(s: SweepState) -> dict:
         now = time.time()
         running_left = [max(0.0, mean - (now - r["since"])) for r in s.running.values()]
         eta = round(max(running_left, default=0.0) + math.ceil(left / slots) * mean, 1)
-    winner, _ = choose_winner(s.rows, s.bar, s.opts.tie_tolerance) if s.rows else (None, None)
+    winner, _ = (
+        choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective) if s.rows else (None, None)
+    )
     finished = {r["name"] for r in s.rows}
     running = [r["name"] for r in s.running.values()]
     return {
@@ -633,7 +635,13 @@ def progress_doc(s: SweepState) -> dict:
         "slots": slots,
         "running": running,
         "queued": sum(1 for n in s.queued if n not in finished and n not in running),
-        "best": None if winner is None else {"name": winner["name"], "hm": winner["hm"]},
+        "best": None
+        if winner is None
+        else {
+            "name": winner["name"],
+            "hm": winner["hm"],
+            "normalised_accuracy": winner["normalised_accuracy"],
+        },
         "eta_s": eta,
     }
 
@@ -674,10 +682,11 @@ def rescore(s: SweepState) -> None:
             "repair",
             "retention",
             "hm",
+            "normalised_accuracy",
             "unchanged_mean_change",
             "target_retention",
             "target_retention_mean",
         ):
             r[k] = cd[k] if cd else None
         r["feasible"] = bool(cd) and target_ok(cd, s.bar)
-        r["objective"] = objective(cd, r["distance"], s.bar)
+        r["objective"] = objective(cd, r["distance"], s.bar, s.opts.objective)
