@@ -638,6 +638,35 @@ def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
     assert again["winner"]["name"] == doc["winner"]["name"]
 
 
+def test_a_sweep_resumed_with_another_objective_reuses_its_evaluations(experts, tmp_path, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from dghard_cli.errors import Interrupted
+    from dghard_cli.sweeping import jobs
+
+    real, calls = jobs.run_command, []
+
+    def interrupt_at_the_8th(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:  # 4 references, then the 4th candidate
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+            raise RuntimeError("stopped by the interruption")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(jobs, "run_command", interrupt_at_the_8th)
+    out = tmp_path / "resumed"
+    with pytest.raises(Interrupted):
+        _sweep(experts, out, budget=10)
+    monkeypatch.setattr(jobs, "run_command", real)
+    again = _sweep(experts, out, budget=10, objective="normalised-accuracy")
+    assert again["budget"]["from_cache"] == 7 and again["options"]["objective"] == "normalised-accuracy"
+    rows = [r for r in again["candidates"] if r["status"] == "ok"]
+    assert again["winner"]["normalised_accuracy"] == max(r["normalised_accuracy"] for r in rows)
+
+
 def test_followups_go_to_every_family_within_noise_of_the_best():
     """A family a little behind on strength alone gets its schedule tried too (within the
     noise margin, or --tie-tolerance if larger), best first, as many as the reserve allows."""
