@@ -428,16 +428,18 @@ def test_a_whole_copy_of_a_module_another_adapter_adapts_is_refused(tiny):
 
 
 def test_checks_before_writing_count_only_the_tensors_merged_in_full(tiny, monkeypatch):
-    """STAR's dense-SVD working set was checked on every matrix, the untouched lm_head included, so
-    `--core-space` was refused on a machine that fits every core; the full-checkpoint merge, which
-    does compute that lm_head, is still refused there."""
+    """SVC's dense working set was checked on every matrix, the untouched lm_head included, so
+    `--core-space` was refused on a machine that fits every core (STAR's dense SVDs, before STAR
+    took the Gram route, were the first case); the full-checkpoint merge, which does compute that
+    lm_head, is still refused there."""
     import dghard_cli.engine.working_memory as wm
 
-    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 300_000)  # < one 64 x 64 dense SVD
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 200_000)  # < SVC of a 64 x 64 matrix
     root = tiny["root"]
-    doc = run_merge(tiny, root / "small-machine-core", "star", fts=("a1", "a2"))
+    svc = {"extra": {"calibrate": "svc"}}
+    doc = run_merge(tiny, root / "small-machine-core", "task-arithmetic", fts=("a1", "a2"), **svc)
     assert doc["adapter"]["exact"] is True
     out = root / "small-machine-full"
     with pytest.raises(InputError, match="lm_head"):
-        run_merge(tiny, out, "star", fts=("a1", "a2"), lora=LoraOutputOptions(merge=True))
+        run_merge(tiny, out, "task-arithmetic", fts=("a1", "a2"), lora=LoraOutputOptions(merge=True), **svc)
     assert not out.exists()

@@ -10,6 +10,8 @@ the output dtype's rounding of the entry.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 import torch
@@ -97,7 +99,8 @@ def test_methods_match_the_float64_references(tmp_path, models, method, kw, ref_
     assert_close(got, reference(method, models["B"], models["F"], **ref_kw), models["B"])
     recs = {r["name"]: r for r in doc["tensors"]}
     q = recs["model.layers.0.self_attn.q_proj.weight"]
-    assert q["merge_rule"] == method and q["route"] == "svd-float64" and q["error_bound"] < 1e-9
+    # the streaming Gram route, its bound far below the float32 output's resolution
+    assert q["merge_rule"] == method and q["route"] == "gram-eigh-float64" and q["error_bound"] < 1e-9
     assert recs["model.norm.weight"]["merge_rule"] == "average"
     assert doc["merge"]["low_rank_matrices"] == 2 + 2 * 7  # embeddings, head, 7 per layer
     if method == "cart":
@@ -226,22 +229,104 @@ def test_a_cut_between_equal_singular_values_keeps_them_together(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["star", "cart"])
-def test_a_matrix_whose_svds_cannot_fit_is_refused_before_anything_is_written(
-    tmp_path, models, method, monkeypatch
-):
-    """The float64 SVDs of whole matrices: the working set of every matrix is checked against the
-    machine's memory from the shapes, before the first tensor is written (a refusal at the last
-    matrix once threw away every shard written before it)."""
-    import dghard_cli.engine.working_memory as wm
+def test_no_whole_matrix_is_held_on_the_gram_route(tmp_path, models, method, monkeypatch):
+    """The Gram route holds M × M Gram matrices and row blocks, never a task vector whole: with
+    the machine's memory far below one dense SVD's working set, the merge is still written and
+    exact."""
+    import dghard_cli.methods.subspace as sub
+    from dghard_cli.engine import working_memory as wm
 
     monkeypatch.setattr(wm, "machine_memory", lambda device=None: 10 * 8 * 48 * 48)
-    res_args = ("merge", "--method", method, models["base"], *models["fts"], "--out", tmp_path / "o")
-    with pytest.raises(Exception) as e:
-        run(models["base"], models["fts"], tmp_path / "o", method)
-    msg = str(e.value)
-    assert (
-        "float64 SVDs of the whole matrices" in msg
-        and f"--method {method}" in msg
-        and len(msg.splitlines()) == 1
+    whole = sub.TallBlocks.whole
+    monkeypatch.setattr(sub.TallBlocks, "whole", lambda self: pytest.fail("a whole task vector was read"))
+    doc, got = run(models["base"], models["fts"], tmp_path / "o", method)
+    assert_close(got, reference(method, models["B"], models["F"]), models["B"])
+    assert {r["route"] for r in doc["tensors"] if r.get("merge_rule") == method} == {"gram-eigh-float64"}
+    monkeypatch.setattr(sub.TallBlocks, "whole", whole)
+
+
+def _spread(tmp_path, dtype: str):
+    """One 60 × 24 delta with singular values from 1 down to 1e-5 (a float32 output cannot take
+    the Gram route when every one of them is kept: λ_max/λ_min = 1e10)."""
+    g = torch.Generator().manual_seed(3)
+    u = torch.linalg.qr(torch.randn((60, 24), generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn((24, 24), generator=g, dtype=torch.float64))[0]
+    s = torch.logspace(0, -5, 24, dtype=torch.float64)
+    name = "model.layers.0.mlp.down_proj.weight"
+    base = torch.randn((60, 24), generator=g, dtype=torch.float64)
+    write_checkpoint(tmp_path / "b", [(name, base.to(getattr(torch, dtype)))], config=None)
+    write_checkpoint(tmp_path / "f", [(name, (base + (u * s) @ v.T).to(getattr(torch, dtype)))], config=None)
+    return name
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_a_matrix_the_gram_route_cannot_resolve_takes_the_accurate_route(tmp_path, dtype):
+    """STAR at η 100 keeps every direction; the Gram route resolves the smallest (1e-5 of the
+    largest) to ε·1e10 ≈ 2e-6: enough for a bf16 output, not for float32, where the matrix is
+    computed again from the SVDs of the task vectors and the record keeps both bounds."""
+    name = _spread(tmp_path, "float32")
+    doc, got = run(
+        tmp_path / "b",
+        [tmp_path / "f"],
+        tmp_path / "o",
+        "star",
+        eta=100.0,
+        policy=_policy(min_numel=0, out_dtype=dtype),
     )
-    assert not (tmp_path / "o").exists(), res_args
+    rec = next(r for r in doc["tensors"] if r["name"] == name)
+    b, f = as64(load_dir(tmp_path / "b")), as64(load_dir(tmp_path / "f"))
+    unit = 2.0**-24 if dtype == "F32" else 2.0**-8  # the output's rounding
+    assert_close(got, {name: b[name] + ref_star(b[name], [f[name]], eta=100.0)}, b, unit=unit)
+    if dtype == "F32":
+        assert rec["route"] == "svd-float64" and rec["error_bound"] < 2.0**-24
+        assert 2.0**-24 < rec["gram_error_bound"] < 1e-4
+        assert doc["merge"]["accurate_route_matrices"] == 1
+    else:
+        assert rec["route"] == "gram-eigh-float64" and 2.0**-24 < rec["error_bound"] < 2.0**-8
+        assert "accurate_route_matrices" not in doc["merge"]
+
+
+def test_the_accurate_route_that_cannot_fit_is_refused_in_one_line(tmp_path, monkeypatch):
+    """Where the accurate route is needed and its SVDs cannot fit, one line names the tensor,
+    the bound and what to do (here: a bf16 output, which the Gram route resolves), and nothing is
+    written."""
+    import dghard_cli.methods.low_rank as lr
+
+    name = _spread(tmp_path, "float32")
+    monkeypatch.setattr(lr, "machine_memory", lambda device=None: 1000)
+    with pytest.raises(Exception) as e:
+        run(tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "star", eta=100.0, policy=_policy(min_numel=0))
+    msg = str(e.value)
+    assert name in msg and "--method star" in msg and "--dtype bf16" in msg and len(msg.splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def _spectrum(sig):
+    from dghard_cli.spectral.spectrum import Spectrum
+
+    v = torch.eye(len(sig), dtype=torch.float64)
+    return Spectrum(shape=(100, len(sig)), sigma=np.asarray(sig, dtype=np.float64), fro2=0.0, full_vectors=v)
+
+
+def test_the_gram_cut_is_sent_to_the_accurate_route_where_a_decision_is_within_its_error():
+    """STAR's η-crossing, the tie extension and the numerical rank are decided on the Gram route
+    only where they lie farther from their thresholds than its error; else its amplification is
+    inf (the accurate route)."""
+    from dghard_cli.methods.low_rank import gram_cut, star_rank
+
+    unit = 2.0**-24
+    sig = [4.0, 2.0, 1.0, 0.5, 0.25]
+    lam = np.asarray(sig) ** 2
+    far = gram_cut(_spectrum(sig), lam, star_rank(50.0), unit, rescale=True, eta=50.0)
+    assert far.r == 1 and math.isfinite(far.amplification)  # 4 of 7.75: 51.6 %, 1.6 points above 50 %
+    assert far.scale == pytest.approx(7.75 / 4.0)
+    # 4 / 7.75 = 51.6 %: η = 51.6129... puts the crossing within the sums' error
+    eta = 100.0 * 4.0 / 7.75 * (1 - 1e-15)
+    near = gram_cut(_spectrum(sig), lam, star_rank(eta), unit, rescale=True, eta=eta)
+    assert near.amplification == math.inf
+    # an eigenvalue at the numerical rank's floor: not decided on this route
+    floor = 4.0 * 5 * 2.0**-52 * 16.0
+    edge = gram_cut(
+        _spectrum(sig), np.append(lam[:4], floor * (1 + 1e-3)), star_rank(50.0), unit, rescale=True
+    )
+    assert edge.amplification == math.inf

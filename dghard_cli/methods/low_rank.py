@@ -36,14 +36,29 @@ Where the formulas are silent or degenerate (documented in docs/merge-methods.md
   (ε·σ_max over the gap at the cut) says how well;
 - CART with one fine-tune, or identical ones: the centred parts are zero and W = W_base + Δ.
 
-Computed per matrix from float64 SVDs of the whole tall task vectors (``X_i``, N × M with
-M = min(m, n)): working set ≈ (2T + 6)·8·N·M bytes (3 fine-tunes of a 4864 × 896 matrix, about
-420 MB), checked against the machine's memory before anything is written.
+Computed per matrix on the **streaming Gram route** of the subspace merges (:mod:`.subspace`):
+each task vector's (CART: each centred part's) float64 Gram matrix ``XᵀX`` (M × M, M = min(m, n))
+is accumulated over row blocks in one pass, its eigendecomposition gives the singular values and
+the kept right singular vectors V_r, and the output pass writes each row block of
+``Σ_i c_i·X_i·V_r·V_rᵀ`` (the truncation ``U_r·diag(σ_r)·V_rᵀ = X·V_r·V_rᵀ``). No N × M matrix
+is held: the working set is T Gram matrices and one set of row blocks (3 fine-tunes of the
+151936 × 896 embedding of a 0.5B model: about 20 MB of Gram matrices, against 8–10 GB for the
+dense SVDs). The Gram route resolves the kept subspace to about ``ε·λ_max/(λ_r − λ_{r+1})`` and
+STAR's rescaling to ``ε·Σ_j λ_max/(2σ_j)/Σ_j σ_j`` (λ = σ²); the record's ``error_bound`` is the
+larger. A matrix whose bound exceeds the output dtype's resolution (float32's at the finest), or
+whose STAR cut lies within that error of η, is computed again by the **accurate route**: float64
+SVDs of the whole tall task vectors (``X_i``, N × M), working set ≈ (2T + 6)·8·N·M bytes (3
+fine-tunes of a 4864 × 896 matrix, about 420 MB), checked against the machine's memory before
+that matrix is computed; its record says ``route: "svd-float64"`` and keeps the Gram route's bound
+as ``gram_error_bound``. Both routes keep the same numerical rank and cut, so they differ only in
+rounding, below the output's resolution.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +66,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.engine.working_memory import check_dense_svd
+from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import finite
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
@@ -60,12 +75,16 @@ from dghard_cli.methods.subspace import (
     ALPHA_SWEEP_RANGE,
     NonFiniteInput,
     TallBlocks,
+    coarser_output_hint,
     kept_nonfinite,
     matrix_rule,
     tolerance,
 )
-from dghard_cli.methods.subspace_svd import ROUTE, SvdResult, svd64
-from dghard_cli.spectral.routes import GRAM_FLOOR
+from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
+from dghard_cli.methods.subspace_svd import SvdResult, svd64, svd_route_bytes
+from dghard_cli.spectral.routes import GRAM_FLOOR, gram_add_
+from dghard_cli.spectral.spectrum import ROUTE as GRAM_ROUTE
+from dghard_cli.spectral.spectrum import Spectrum
 
 EPS64 = 2.0**-52
 STAR_ETA = 40.0
@@ -165,23 +184,211 @@ def cart(xs: Sequence[torch.Tensor], ratio: float, lam: float, unit: float) -> S
     return SvdResult(out, sum(ranks), max(kappas), {"rank_k": k, "task_ranks": ranks})
 
 
+# -- the Gram route ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GramCut:
+    """One task vector's (or centred part's) truncation on the Gram route: ``X·V·diag(1)·Vᵀ``
+    scaled by ``scale``, and how exactly the Gram route decided it."""
+
+    v: torch.Tensor  # M × r float64, the kept right singular vectors
+    scale: float
+    sigma: np.ndarray  # the non-zero singular values
+    r: int
+    amplification: float  # the error bound over ε; inf: a decision is within the route's error
+
+
+def gram_spectrum(g: torch.Tensor, shape: tuple[int, int]) -> tuple[Spectrum, np.ndarray]:
+    """The spectrum of one Gram matrix (σ floored as on every Gram route) and its raw eigenvalues,
+    descending (a component at the floor is decided only as well as the eigenvalue is known)."""
+    g = 0.5 * (g + g.T)
+    lam = torch.linalg.eigvalsh(g).flip(0).numpy().astype(np.float64)
+    top = max(float(lam[0]) if lam.size else 0.0, 0.0)
+    sig = np.sqrt(np.where(lam > GRAM_FLOOR * g.shape[0] * EPS64 * top, lam, 0.0))
+    return Spectrum(shape=shape, sigma=sig, fro2=float(torch.trace(g)), gram=g), lam
+
+
+def gram_cut(
+    spec: Spectrum,
+    lam_raw: np.ndarray,
+    r_of: Callable[[np.ndarray, int], int],
+    unit: float,
+    reference: float | None = None,
+    rescale: bool = False,
+    eta: float | None = None,
+) -> GramCut:
+    """:func:`truncate`'s cut from a Gram matrix's spectrum: the same numerical rank (``reference``
+    as there), the same cut with ties extended; ``rescale``: STAR's factor ``Σσ/Σ_{j≤r}σ``, ``eta``:
+    STAR's cut is at η % of the sum (checked against the sums' error).
+
+    The amplification (the error bound over ε) is the largest of: ``λ_ref/(λ_r − λ_{r+1})`` for
+    the kept subspace (λ_ref the Gram matrix's own λ_max, or ``reference²`` where that is larger:
+    a centred part is only as accurate as the task vector it came from), and for STAR the relative
+    error of its sums (``Σ_j λ_max/(2σ_j)``, plus the components whose eigenvalue lies within
+    ``M·ε·λ_max`` of the floor, over each sum); inf where the numerical rank, the tie extension or
+    STAR's η-crossing is closer to its threshold than the route resolves."""
+    sig_all = spec.sigma
+    small = spec.small
+    lam_max = float(sig_all[0] ** 2) if sig_all.size else 0.0
+    lam_ref = max(lam_max, float(reference or 0.0) ** 2)
+    rank = numerical_rank(sig_all, small, reference)
+    sig = sig_all[:rank]
+    empty = torch.zeros(
+        (small, 0), dtype=torch.float64, device=spec.gram.device if spec.gram is not None else None
+    )
+    if not rank:
+        return GramCut(empty, 0.0, sig, 0, 1.0)
+    floor = GRAM_FLOOR * small * EPS64 * lam_ref
+    err_lam = EPS64 * lam_ref  # an eigenvalue's error on this route
+    amp = 1.0
+    # the numerical rank: an eigenvalue within M·ε·λ_ref of the floor is on the edge
+    edge = np.abs(lam_raw - floor) <= small * err_lam
+    if edge.any():
+        amp = math.inf
+    r = cut_with_ties(sig, min(r_of(sig, rank), rank), rank, unit)
+    err_sig = err_lam / (2.0 * sig)  # each σ's error
+    # the tie extension: a gap within both σ's errors of ε·σ_max/unit
+    delta = EPS64 * float(sig[0]) / unit
+    if r < rank and abs(float(sig[r - 1] - sig[r]) - delta) <= err_sig[r - 1] + err_sig[r]:
+        amp = math.inf
+    lam = sig**2
+    gap = lam[r - 1] - (lam[r] if r < rank else 0.0)
+    amp = max(amp, lam_ref / gap if gap > 0 else math.inf)
+    scale = 1.0
+    if rescale:
+        total, part = float(sig.sum()), float(sig[:r].sum())
+        e_total, e_part = float(err_sig.sum()) / EPS64, float(err_sig[:r].sum()) / EPS64
+        amp = max(amp, e_total / total + e_part / part)
+        scale = total / part
+        if eta is not None:  # the η-crossing: the cumulative sums on either side of the cut
+            c = np.cumsum(sig)
+            target = eta / 100.0 * c[-1]
+            err = EPS64 * e_total * (1.0 + eta / 100.0)
+            first = r_of(sig, rank)
+            # the last partial sum is the total itself, which η ≤ 100 % never exceeds
+            above = first < rank and c[first - 1] - target <= err
+            if above or (first >= 2 and target - c[first - 2] <= err):
+                amp = math.inf
+    v = spec.vectors_for(np.arange(r))
+    return GramCut(v, scale, sig, r, amp)
+
+
+def star_gram(
+    gs: Sequence[torch.Tensor], shape: tuple[int, int], eta: float, alpha: float, unit: float
+) -> tuple[list[GramCut], float]:
+    """STAR's cuts of every task vector from its Gram matrix, and the update's factor α/T."""
+    cuts = []
+    for g in gs:
+        spec, lam = gram_spectrum(g, shape)
+        cuts.append(gram_cut(spec, lam, star_rank(eta), unit, rescale=True, eta=eta))
+    return cuts, alpha / len(gs)
+
+
+def cart_gram(
+    gs: Sequence[torch.Tensor], norms: Sequence[float], shape: tuple[int, int], ratio: float, unit: float
+) -> tuple[list[GramCut], int]:
+    """CART's cuts of every centred part from its Gram matrix (``norms``: ‖X_i‖_F, the reference
+    of each part's numerical rank as in :func:`cart`), and k."""
+    k = cart_k(min(shape), ratio)
+    cuts = []
+    for g, ref in zip(gs, norms, strict=True):
+        spec, lam = gram_spectrum(g, shape)
+        cuts.append(gram_cut(spec, lam, lambda sig, rank: k, unit, reference=ref))
+    return cuts, k
+
+
+def project(x: torch.Tensor, cut: GramCut) -> torch.Tensor:
+    """``scale·X·V·Vᵀ`` of one row block (the cut's truncation of those rows)."""
+    return (x @ cut.v) @ (cut.v.T * cut.scale)
+
+
+def _mean(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    m = xs[0].clone()
+    for x in xs[1:]:
+        m.add_(x)
+    return m.div_(len(xs))
+
+
+def _finite_grams(job: TensorJob, gs: Sequence[torch.Tensor]) -> None:
+    for g in gs:
+        if not bool(torch.isfinite(g).all()):
+            raise NonFiniteInput.of(job)
+
+
+@dataclass(frozen=True)
+class GramPlan:
+    """A method's plan for one matrix on the Gram route."""
+
+    update: Callable[[list[torch.Tensor]], torch.Tensor]  # the merged update's rows, per block
+    kept: int  # Σ_i r_i
+    amplification: float
+    stats: dict
+
+
+def star_plan(blocks: TallBlocks, eta: float, alpha: float, unit: float) -> GramPlan:
+    gs, _ = blocks.grams(each=True, total=False)
+    cuts, factor = star_gram(gs, blocks.shape, eta, alpha, unit)
+    del gs
+
+    def update(xs: list[torch.Tensor]) -> torch.Tensor:
+        out = torch.zeros_like(xs[0])
+        for x, cut in zip(xs, cuts, strict=True):
+            if cut.r:
+                out.add_(project(x, cut))
+        return out.mul_(factor)
+
+    ranks = [c.r for c in cuts]
+    return GramPlan(update, sum(ranks), max(c.amplification for c in cuts), {"task_ranks": ranks})
+
+
+def cart_plan(blocks: TallBlocks, ratio: float, lam: float, unit: float) -> GramPlan:
+    m = blocks.small
+    gs = [torch.zeros((m, m), dtype=torch.float64, device=blocks.device) for _ in range(blocks.n)]
+    sumsq = [0.0] * blocks.n
+    for _, xs in blocks:
+        mean = _mean(xs)
+        for i, x in enumerate(xs):
+            sumsq[i] += float(torch.linalg.vector_norm(x) ** 2)
+            gram_add_(gs[i], x - mean)
+    _finite_grams(blocks.job, gs)
+    if not all(math.isfinite(v) for v in sumsq):
+        raise NonFiniteInput.of(blocks.job)
+    cuts, k = cart_gram(gs, [math.sqrt(v) for v in sumsq], blocks.shape, ratio, unit)
+    del gs
+
+    def update(xs: list[torch.Tensor]) -> torch.Tensor:
+        mean = _mean(xs)
+        out = mean.clone()
+        for x, cut in zip(xs, cuts, strict=True):
+            if cut.r:
+                out.add_(project(x - mean, cut), alpha=lam)
+        return out
+
+    ranks = [c.r for c in cuts]
+    amp = max(c.amplification for c in cuts)
+    return GramPlan(update, sum(ranks), amp, {"rank_k": k, "task_ranks": ranks})
+
+
 # -- streaming ------------------------------------------------------------------------------------
 
 
 class LowRankMergeOp:
-    """STAR or CART on every eligible matrix (``merge(xs, unit)`` of the whole tall task
-    vectors), ``scale``·the average of the deltas elsewhere."""
+    """STAR or CART on every eligible matrix, ``scale``·the average of the deltas elsewhere: the
+    Gram route (``plan(blocks, unit)``), else the accurate route (``merge(xs, unit)`` of the whole
+    tall task vectors) where the Gram route's bound exceeds the output's resolution."""
 
     def __init__(
         self,
         name: str,
+        plan: Callable[[TallBlocks, float], GramPlan],
         merge: Callable[[list[torch.Tensor], float], SvdResult],
         scale: float,
         device: torch.device,
         is_matrix: Callable[[TensorJob], bool],
         block_bytes: int,
     ) -> None:
-        self.name, self.merge, self.device = name, merge, device
+        self.name, self.plan, self.merge, self.device = name, plan, merge, device
         self.is_matrix, self.block_bytes = is_matrix, block_bytes
         self.average = ElementwiseMergeOp(
             lambda job: TaskArithmeticKernel([scale / len(job.fts)] * len(job.fts), 1.0), device, block_bytes
@@ -193,22 +400,45 @@ class LowRankMergeOp:
             yield from self.average(job, src, rec)
             return
         blocks = TallBlocks(job, src, self.device, self.block_bytes)
-        # the working set was checked for every matrix before anything was written (merging.py)
-        xs = blocks.whole()
-        if not all(bool(torch.isfinite(x).all()) for x in xs):
+        written = job.final_dtype or job.out_dtype
+        tol = tolerance(written)
+        try:
+            plan = self.plan(blocks, tol)
+        except NonFiniteInput:
             if not src.allow_nonfinite:
-                raise NonFiniteInput.of(job)
+                raise
             yield from kept_nonfinite(job, src, rec)
             return
-        written = job.final_dtype or job.out_dtype
-        res = self.merge(xs, tolerance(written))
-        del xs
+        bound = EPS64 * plan.amplification
         rec.update(
             {
                 "merge_rule": self.name,
-                "route": ROUTE,
-                "kept_directions": res.rank,  # Σ_i r_i (no ``rank``: the merged update's is not computed)
+                "route": GRAM_ROUTE,
+                "kept_directions": plan.kept,  # Σ_i r_i (no ``rank``: the merged update's is not computed)
+                "error_bound": float(f"{bound:.4g}"),
+                **plan.stats,
+            }
+        )
+        if bound <= tol:
+            yield from blocks.output(plan.update, None)
+            return
+        # the Gram route does not resolve this matrix to the written dtype: the accurate route
+        need = svd_route_bytes(blocks.big, blocks.small, blocks.n)
+        limit = machine_memory(self.device)
+        if limit is not None and need > limit:
+            raise InputError(
+                f"tensor {job.name!r}: --method {self.name}'s float64 Gram route does not resolve this "
+                f"matrix to the {written} output's resolution {tol:.1e} (error bound {bound:.1e}), and "
+                f"the accurate SVD route needs about {need / 1e9:.1f} GB, more than this machine has; "
+                f"{coarser_output_hint(written, bound)}"
+            )
+        res = self.merge(blocks.whole(), tol)
+        rec.update(
+            {
+                "route": SVD_ROUTE,
+                "kept_directions": res.rank,
                 "error_bound": float(f"{EPS64 * res.kappa:.4g}"),
+                "gram_error_bound": float(f"{bound:.4g}") if math.isfinite(bound) else None,
                 **res.stats,
             }
         )
@@ -239,6 +469,7 @@ def _star_op(p: dict, ctx: BuildContext) -> LowRankMergeOp:
     eta, alpha = p["eta"], p["alpha"]
     return LowRankMergeOp(
         "star",
+        lambda blocks, unit: star_plan(blocks, eta, alpha, unit),
         lambda xs, unit: star(xs, eta, alpha, unit),
         alpha,
         ctx.device,
@@ -251,22 +482,13 @@ def _cart_op(p: dict, ctx: BuildContext) -> LowRankMergeOp:
     ratio, lam = p["rank_ratio"], p["lambda"]
     return LowRankMergeOp(
         "cart",
+        lambda blocks, unit: cart_plan(blocks, ratio, lam, unit),
         lambda xs, unit: cart(xs, ratio, lam, unit),
         1.0,
         ctx.device,
         matrix_rule(ctx.options.policy),
         ctx.block_bytes,
     )
-
-
-def _check_plan(method: str) -> Callable[[dict, Any, int, Any, Any], None]:
-    def check(p: dict, jobs: Any, n_fts: int, policy: Any, device: Any) -> None:
-        """Their float64 SVDs of whole matrices: refused before anything is written."""
-        check_dense_svd(
-            jobs, n_fts=n_fts, is_matrix=matrix_rule(policy), what=f"--method {method}", device=device
-        )
-
-    return check
 
 
 def _summary(rule: str) -> Callable[[list[dict], dict], dict]:
@@ -277,6 +499,9 @@ def _summary(rule: str) -> Callable[[list[dict], dict], dict]:
             kept = sorted(r["kept_directions"] for r in done)
             out["median_kept_directions"] = kept[len(kept) // 2]
             out["error_bound_max"] = max(r["error_bound"] for r in done)
+            accurate = sum(r["route"] == SVD_ROUTE for r in done)
+            if accurate:  # matrices the Gram route did not resolve to the output dtype
+                out["accurate_route_matrices"] = accurate
         return out
 
     return summary
@@ -307,7 +532,6 @@ MERGE_METHODS = (
         ("alpha", "eta"),
         _star_op,
         summary=_summary("star"),
-        check_plan=_check_plan("star"),
         defaults={"alpha": 1.0},
         sweep_axes=("alpha", "eta"),
         sweep_fixed=("eta",),
@@ -319,7 +543,6 @@ MERGE_METHODS = (
         ("lambda", "rank_ratio"),
         _cart_op,
         summary=_summary("cart"),
-        check_plan=_check_plan("cart"),
         defaults={"lambda": CART_LAMBDA},
         sweep_axes=("lambda", "rank_ratio"),
         sweep_fixed=("rank_ratio",),
