@@ -333,8 +333,21 @@ def test_the_normalised_accuracy_objective_searches_and_chooses_on_the_new_skill
     """``--objective normalised-accuracy``: the winner, the refinements and the follow-ups all
     follow the merging literature's score (the targets over their experts), not HM, which also
     weighs the base's damaged skills; ``--fail-under`` gates on it."""
-    doc = _sweep(experts, tmp_path / "na", budget=16, objective="normalised-accuracy", fail_under=1000.0)
+    from dghard_cli.cli.render_sweep import _progress_tail
+
+    events: list = []
+    doc = _sweep(
+        experts,
+        tmp_path / "na",
+        budget=16,
+        objective="normalised-accuracy",
+        fail_under=1000.0,
+        on_event=events.append,
+    )
     assert doc["options"]["objective"] == "normalised-accuracy"
+    # the progress lines name the objective's value of the best so far
+    last = [e for e in events if e.get("kind") == "candidate"][-1]
+    assert "normalised accuracy" in _progress_tail(last) and "(HM" not in _progress_tail(last)
     rows = [r for r in doc["candidates"] if r["status"] == "ok"]
     best = max(r["normalised_accuracy"] for r in rows)
     w = doc["winner"]

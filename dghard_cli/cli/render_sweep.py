@@ -119,6 +119,16 @@ def _eta(seconds: float | None) -> str:
     return f"{s} s"
 
 
+_LABELS = {"retention": "retention", "normalised-accuracy": "normalised accuracy"}
+
+
+def _best_value(best: dict) -> str:
+    """``HM x``, or the objective's value when the sweep maximises another (``--objective``)."""
+    if best.get("objective") in _LABELS:
+        return f"{_LABELS[best['objective']]} {_fmt_sweep(best.get('value'))} %"
+    return f"HM {_fmt_sweep(best['hm'])}"
+
+
 def _progress_tail(ev: dict) -> str:
     """``· 2 running, 5 queued, best NAME (HM x), ETA …`` from an event's progress fields."""
     if "done" not in ev:
@@ -129,7 +139,7 @@ def _progress_tail(ev: dict) -> str:
     if ev.get("queued"):
         parts.append(f"{ev['queued']} queued")
     if ev.get("best"):
-        parts.append(f"best {ev['best']['name']} (HM {_fmt_sweep(ev['best']['hm'])})")
+        parts.append(f"best {ev['best']['name']} ({_best_value(ev['best'])})")
     if ev.get("eta_s") is not None and (ev.get("running") or ev.get("queued") or ev["done"] < ev["budget"]):
         parts.append(f"ETA {_eta(ev['eta_s'])}")
     return (" · " + ", ".join(parts)) if parts else ""
@@ -230,7 +240,7 @@ class ProgressTable(ProgressLines):
         best = st.get("best")
         line = (
             f"done {st['done']}/{st['budget']} · running {len(st.get('running', []))} · queued "
-            f"{st.get('queued', 0)} · best {best['name'] + ' HM ' + _fmt_sweep(best['hm']) if best else '—'}"
+            f"{st.get('queued', 0)} · best {best['name'] + ' ' + _best_value(best) if best else '—'}"
             f" · ETA {_eta(st.get('eta_s'))}"
         )
         return Group(t, Text(line, style="bold"))

@@ -44,7 +44,7 @@ from dghard_cli.scoring.metrics import score_candidates
 from dghard_cli.scoring.results import ResultFile, Score, read_results
 from dghard_cli.sweeping.cache import digest, dir_bytes, input_identity
 from dghard_cli.sweeping.candidates import Candidate, reproduced_out, shell_command
-from dghard_cli.sweeping.choose import choose_winner, objective, target_ok
+from dghard_cli.sweeping.choose import OBJECTIVES, choose_winner, objective, target_ok
 from dghard_cli.sweeping.families import reproduce_argv, writes_adapter
 from dghard_cli.sweeping.jobs import (
     CANDIDATE_DIR,
@@ -635,15 +635,18 @@ def progress_doc(s: SweepState) -> dict:
         "slots": slots,
         "running": running,
         "queued": sum(1 for n in s.queued if n not in finished and n not in running),
-        "best": None
-        if winner is None
-        else {
-            "name": winner["name"],
-            "hm": winner["hm"],
-            "normalised_accuracy": winner["normalised_accuracy"],
-        },
+        "best": None if winner is None else best_doc(s, winner),
         "eta_s": eta,
     }
+
+
+def best_doc(s: SweepState, winner: dict) -> dict:
+    """The winner so far, for progress displays: its name, HM, and the objective's value when the
+    objective is another (``objective``, ``value``)."""
+    doc = {"name": winner["name"], "hm": winner["hm"]}
+    if s.opts.objective != "hm":
+        doc.update(objective=s.opts.objective, value=winner[OBJECTIVES[s.opts.objective]])
+    return doc
 
 
 # -- scoring
