@@ -245,41 +245,68 @@ def test_no_whole_matrix_is_held_on_the_gram_route(tmp_path, models, method, mon
     monkeypatch.setattr(sub.TallBlocks, "whole", whole)
 
 
-def _spread(tmp_path, dtype: str):
-    """One 60 × 24 delta with singular values from 1 down to 1e-5 (a float32 output cannot take
-    the Gram route when every one of them is kept: λ_max/λ_min = 1e10)."""
+def _spread(tmp_path) -> str:
+    """One 60 × 24 float64 delta with singular values from 1 down to 1e-5."""
     g = torch.Generator().manual_seed(3)
     u = torch.linalg.qr(torch.randn((60, 24), generator=g, dtype=torch.float64))[0]
     v = torch.linalg.qr(torch.randn((24, 24), generator=g, dtype=torch.float64))[0]
     s = torch.logspace(0, -5, 24, dtype=torch.float64)
     name = "model.layers.0.mlp.down_proj.weight"
     base = torch.randn((60, 24), generator=g, dtype=torch.float64)
-    write_checkpoint(tmp_path / "b", [(name, base.to(getattr(torch, dtype)))], config=None)
-    write_checkpoint(tmp_path / "f", [(name, (base + (u * s) @ v.T).to(getattr(torch, dtype)))], config=None)
+    write_checkpoint(tmp_path / "b", [(name, base)], config=None)
+    write_checkpoint(tmp_path / "f", [(name, base + (u * s) @ v.T)], config=None)
     return name
+
+
+def _at_the_floor(tmp_path) -> str:
+    """One 60 × 24 float64 delta with a singular value at the numerical rank's floor,
+    σ = sqrt(4·M·ε)·σ_max: whether it is a direction is decided by rounding."""
+    g = torch.Generator().manual_seed(5)
+    u = torch.linalg.qr(torch.randn((60, 24), generator=g, dtype=torch.float64))[0]
+    v = torch.linalg.qr(torch.randn((24, 24), generator=g, dtype=torch.float64))[0]
+    s = torch.zeros(24, dtype=torch.float64)
+    s[:6] = torch.tensor([1.0, 0.8, 0.6, 0.4, 0.3, 0.2])
+    s[6] = math.sqrt(4 * 24 * 2.0**-52)
+    name = "model.layers.0.mlp.down_proj.weight"
+    write_checkpoint(tmp_path / "b", [(name, torch.zeros((60, 24), dtype=torch.float64))], config=None)
+    write_checkpoint(tmp_path / "f", [(name, (u * s) @ v.T)], config=None)
+    return name
+
+
+def test_keeping_every_direction_costs_the_gram_route_nothing(tmp_path):
+    """STAR at η 100 keeps every direction of a delta whose σ span 1 … 1e-5: rotations within the
+    kept subspace cancel in X·V·Vᵀ, so the Gram route's bound is ε·σ_max/σ_min (2e-11), fine for a
+    float32 output (a review found λ_max/λ_min, 2e-6, sent such matrices to the accurate route)."""
+    name = _spread(tmp_path)
+    doc, got = run(
+        tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "star", eta=100.0, policy=_policy(min_numel=0)
+    )
+    rec = next(r for r in doc["tensors"] if r["name"] == name)
+    b, f = as64(load_dir(tmp_path / "b")), as64(load_dir(tmp_path / "f"))
+    assert_close(got, {name: b[name] + ref_star(b[name], [f[name]], eta=100.0)}, b)
+    assert rec["route"] == "gram-eigh-float64" and rec["error_bound"] < 1e-10, rec
 
 
 @pytest.mark.parametrize("dtype", ["F32", "BF16"])
 def test_a_matrix_the_gram_route_cannot_resolve_takes_the_accurate_route(tmp_path, dtype):
-    """STAR at η 100 keeps every direction; the Gram route resolves the smallest (1e-5 of the
-    largest) to ε·1e10 ≈ 2e-6: enough for a bf16 output, not for float32, where the matrix is
+    """A singular value at the floor (1.5e-7 of the largest) is in the result or not by rounding:
+    the Gram route's bound counts it, enough for a bf16 output, not for float32, where the matrix is
     computed again from the SVDs of the task vectors and the record keeps both bounds."""
-    name = _spread(tmp_path, "float32")
+    name = _at_the_floor(tmp_path)
     doc, got = run(
         tmp_path / "b",
         [tmp_path / "f"],
         tmp_path / "o",
         "star",
-        eta=100.0,
         policy=_policy(min_numel=0, out_dtype=dtype),
     )
     rec = next(r for r in doc["tensors"] if r["name"] == name)
     b, f = as64(load_dir(tmp_path / "b")), as64(load_dir(tmp_path / "f"))
     unit = 2.0**-24 if dtype == "F32" else 2.0**-8  # the output's rounding
-    assert_close(got, {name: b[name] + ref_star(b[name], [f[name]], eta=100.0)}, b, unit=unit)
+    assert_close(got, {name: b[name] + ref_star(b[name], [f[name]])}, b, unit=unit)
     if dtype == "F32":
         assert rec["route"] == "svd-float64" and rec["error_bound"] < 2.0**-24
-        assert 2.0**-24 < rec["gram_error_bound"] < 1e-4
+        assert 2.0**-24 < rec["gram_error_bound"] < 1e-5
         assert doc["merge"]["accurate_route_matrices"] == 1
     else:
         assert rec["route"] == "gram-eigh-float64" and 2.0**-24 < rec["error_bound"] < 2.0**-8
@@ -292,13 +319,55 @@ def test_the_accurate_route_that_cannot_fit_is_refused_in_one_line(tmp_path, mon
     written."""
     import dghard_cli.methods.low_rank as lr
 
-    name = _spread(tmp_path, "float32")
+    name = _at_the_floor(tmp_path)
     monkeypatch.setattr(lr, "machine_memory", lambda device=None: 1000)
     with pytest.raises(Exception) as e:
-        run(tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "star", eta=100.0, policy=_policy(min_numel=0))
+        run(tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "star", policy=_policy(min_numel=0))
     msg = str(e.value)
     assert name in msg and "--method star" in msg and "--dtype bf16" in msg and len(msg.splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_cart_keeps_the_centred_part_of_a_zero_task_vector(tmp_path, models):
+    """A fine-tune equal to BASE (a LoRA adapter that does not touch a module) has Δ = 0, but its
+    centred part −τ̄ is not zero: its rank floor is relative to the mean it came from too. Found by
+    a review: both routes dropped it (42 % off the formula)."""
+    fts = [models["base"], *models["fts"][:2]]
+    _, got = run(models["base"], fts, tmp_path / "o", "cart")
+    ref = reference("cart", models["B"], [models["B"], *models["F"][:2]])
+    assert_close(got, ref, models["B"])
+
+
+def test_cart_parts_of_very_different_scales_take_the_same_cut_on_both_routes():
+    """Two exactly rank-4 task vectors 1e-7 apart in scale: the Gram route floors every centred
+    part relative to the same reference as the accurate route (a review found ranks [4, 4]
+    against [7, 4], 2e-7 apart, with a claimed bound of 6e-15)."""
+    from dghard_cli.methods.low_rank import EPS64, cart, cart_gram, project
+
+    g = torch.Generator().manual_seed(1)
+    n, m = 300, 64
+
+    def low_rank(scale):
+        return (
+            scale
+            * torch.randn((n, 4), generator=g, dtype=torch.float64)
+            @ torch.randn((4, m), generator=g, dtype=torch.float64)
+        )
+
+    xs = [low_rank(1e-7), low_rank(1.0)]
+    unit = 2.0**-24
+    acc = cart(xs, 0.12, 2.0, unit)
+    mean = (xs[0] + xs[1]) / 2
+    refs = [max(float(torch.linalg.vector_norm(x)), float(torch.linalg.vector_norm(mean))) for x in xs]
+    cuts, _ = cart_gram([(x - mean).T @ (x - mean) for x in xs], refs, (n, m), 0.12, unit)
+    got = mean.clone()
+    for x, c in zip(xs, cuts, strict=True):
+        if c.r:
+            got += 2.0 * project(x - mean, c)
+    assert [c.r for c in cuts] == acc.stats["task_ranks"]
+    bound = EPS64 * max(c.amplification for c in cuts)
+    assert bound <= unit
+    assert float((got - acc.delta).abs().max() / acc.delta.abs().max()) <= max(bound, 1e-13)
 
 
 def _spectrum(sig):
@@ -309,24 +378,29 @@ def _spectrum(sig):
 
 
 def test_the_gram_cut_is_sent_to_the_accurate_route_where_a_decision_is_within_its_error():
-    """STAR's η-crossing, the tie extension and the numerical rank are decided on the Gram route
-    only where they lie farther from their thresholds than its error; else its amplification is
-    inf (the accurate route)."""
-    from dghard_cli.methods.low_rank import gram_cut, star_rank
+    """STAR's η-crossing and every comparison of the tie extension are decided on the Gram route
+    only where they lie farther from their thresholds than its error, else its amplification is
+    inf (the accurate route); a component at the numerical rank's floor adds its σ to the bound."""
+    from dghard_cli.methods.low_rank import EPS64, gram_cut, star_rank
 
     unit = 2.0**-24
     sig = [4.0, 2.0, 1.0, 0.5, 0.25]
     lam = np.asarray(sig) ** 2
-    far = gram_cut(_spectrum(sig), lam, star_rank(50.0), unit, rescale=True, eta=50.0)
+    far = gram_cut(_spectrum(sig), lam, 16.0, star_rank(50.0), unit, rescale=True, eta=50.0)
     assert far.r == 1 and math.isfinite(far.amplification)  # 4 of 7.75: 51.6 %, 1.6 points above 50 %
     assert far.scale == pytest.approx(7.75 / 4.0)
-    # 4 / 7.75 = 51.6 %: η = 51.6129... puts the crossing within the sums' error
+    # η = 51.6129... puts the crossing within the sums' error
     eta = 100.0 * 4.0 / 7.75 * (1 - 1e-15)
-    near = gram_cut(_spectrum(sig), lam, star_rank(eta), unit, rescale=True, eta=eta)
+    near = gram_cut(_spectrum(sig), lam, 16.0, star_rank(eta), unit, rescale=True, eta=eta)
     assert near.amplification == math.inf
-    # an eigenvalue at the numerical rank's floor: not decided on this route
+    # an eigenvalue at the numerical rank's floor: its σ (1.5e-7 of σ_max here) is in the bound
     floor = 4.0 * 5 * 2.0**-52 * 16.0
-    edge = gram_cut(
-        _spectrum(sig), np.append(lam[:4], floor * (1 + 1e-3)), star_rank(50.0), unit, rescale=True
-    )
-    assert edge.amplification == math.inf
+    edge = gram_cut(_spectrum(sig), np.append(lam[:4], floor * (1 + 1e-3)), 16.0, star_rank(50.0), unit)
+    assert EPS64 * edge.amplification >= math.sqrt(floor / 16.0) > unit
+    # the tie extension: its first comparison within error, its last one far (a review found only
+    # the last one checked)
+    bf16 = 2.0**-8
+    delta = EPS64 * 4.0 / bf16
+    ties = [4.0, 2.0, 2.0 - delta + 1e-17, 1.0, 0.5]
+    cut = gram_cut(_spectrum(ties), np.asarray(ties) ** 2, 16.0, lambda s, rank: 2, bf16)
+    assert cut.r == 3 and cut.amplification == math.inf

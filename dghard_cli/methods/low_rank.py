@@ -43,10 +43,11 @@ the kept right singular vectors V_r, and the output pass writes each row block o
 ``Σ_i c_i·X_i·V_r·V_rᵀ`` (the truncation ``U_r·diag(σ_r)·V_rᵀ = X·V_r·V_rᵀ``). No N × M matrix
 is held: the working set is T Gram matrices and one set of row blocks (3 fine-tunes of the
 151936 × 896 embedding of a 0.5B model: about 20 MB of Gram matrices, against 8–10 GB for the
-dense SVDs). The Gram route resolves the kept subspace to about ``ε·λ_max/(λ_r − λ_{r+1})`` and
-STAR's rescaling to ``ε·Σ_j λ_max/(2σ_j)/Σ_j σ_j`` (λ = σ²); the record's ``error_bound`` is the
-larger. A matrix whose bound exceeds the output dtype's resolution (float32's at the finest), or
-whose STAR cut lies within that error of η, is computed again by the **accurate route**: float64
+dense SVDs). The Gram route's error bound (:func:`gram_cut`: the kept subspace, STAR's
+rescaling, components at the rank's floor) is each record's ``error_bound``. A matrix whose bound
+exceeds the output dtype's resolution (float32's at the finest), or whose tie extension or STAR
+η-crossing lies within the route's error of its threshold, is computed again by the **accurate
+route**: float64
 SVDs of the whole tall task vectors (``X_i``, N × M), working set ≈ (2T + 6)·8·N·M bytes (3
 fine-tunes of a 4864 × 896 matrix, about 420 MB), checked against the machine's memory before
 that matrix is computed; its record says ``route: "svd-float64"`` and keeps the Gram route's bound
@@ -95,9 +96,10 @@ CART_LAMBDA = 2.0
 
 
 def numerical_rank(sig: np.ndarray, small: int, reference: float | None = None) -> int:
-    """Singular values above the route's floor (σ² > 4·M·ε·σ_ref², σ_ref the matrix's own σ_max,
-    or ``reference`` for one computed as a difference: its rounding scales with what it came from)."""
-    top = float(sig[0]) if reference is None and sig.size else float(reference or 0.0)
+    """Singular values above the route's floor (σ² > 4·M·ε·σ_ref², σ_ref the larger of the
+    matrix's own σ_max and ``reference``, for one computed as a difference: its rounding scales
+    with what it came from)."""
+    top = max(float(sig[0]) if sig.size else 0.0, float(reference or 0.0))
     if not sig.size or not top > 0:
         return 0
     return int(np.count_nonzero(sig**2 > GRAM_FLOOR * small * EPS64 * top**2))
@@ -173,9 +175,11 @@ def cart(xs: Sequence[torch.Tensor], ratio: float, lam: float, unit: float) -> S
     k = cart_k(xs[0].shape[1], ratio)
     out = mean.clone()
     ranks, kappas = [], [1.0]
+    mean_norm = float(torch.linalg.vector_norm(mean))
     for x in xs:
-        # the centred part is a difference: its rounding scales with the task vector (‖X_i‖_F ≥ σ_max)
-        ref = float(torch.linalg.vector_norm(x))
+        # the centred part is a difference: its rounding scales with the task vector and the mean
+        # it came from (‖·‖_F ≥ σ_max); a zero task vector's part, −τ̄, is as real as any other
+        ref = max(float(torch.linalg.vector_norm(x)), mean_norm)
         part, _, r, kappa = truncate(x - mean, lambda sig, rank: k, unit, reference=ref)
         if r:
             out.add_(part, alpha=lam)
@@ -199,77 +203,81 @@ class GramCut:
     amplification: float  # the error bound over ε; inf: a decision is within the route's error
 
 
-def gram_spectrum(g: torch.Tensor, shape: tuple[int, int]) -> tuple[Spectrum, np.ndarray]:
-    """The spectrum of one Gram matrix (σ floored as on every Gram route) and its raw eigenvalues,
-    descending (a component at the floor is decided only as well as the eigenvalue is known)."""
+def gram_spectrum(
+    g: torch.Tensor, shape: tuple[int, int], reference: float | None = None
+) -> tuple[Spectrum, np.ndarray, float]:
+    """The spectrum of one Gram matrix, its raw eigenvalues (descending) and λ_ref, the larger of
+    its λ_max and ``reference²`` (see :func:`numerical_rank`); σ² at or below the floor
+    ``4·M·ε·λ_ref`` are zeros, as on every Gram route."""
     g = 0.5 * (g + g.T)
-    lam = torch.linalg.eigvalsh(g).flip(0).numpy().astype(np.float64)
-    top = max(float(lam[0]) if lam.size else 0.0, 0.0)
-    sig = np.sqrt(np.where(lam > GRAM_FLOOR * g.shape[0] * EPS64 * top, lam, 0.0))
-    return Spectrum(shape=shape, sigma=sig, fro2=float(torch.trace(g)), gram=g), lam
+    lam = torch.linalg.eigvalsh(g).flip(0).cpu().numpy().astype(np.float64)
+    lam_ref = max(float(lam[0]) if lam.size else 0.0, float(reference or 0.0) ** 2, 0.0)
+    sig = np.sqrt(np.where(lam > GRAM_FLOOR * g.shape[0] * EPS64 * lam_ref, lam, 0.0))
+    return Spectrum(shape=shape, sigma=sig, fro2=float(torch.trace(g)), gram=g), lam, lam_ref
 
 
 def gram_cut(
     spec: Spectrum,
     lam_raw: np.ndarray,
+    lam_ref: float,
     r_of: Callable[[np.ndarray, int], int],
     unit: float,
-    reference: float | None = None,
     rescale: bool = False,
     eta: float | None = None,
 ) -> GramCut:
-    """:func:`truncate`'s cut from a Gram matrix's spectrum: the same numerical rank (``reference``
-    as there), the same cut with ties extended; ``rescale``: STAR's factor ``Σσ/Σ_{j≤r}σ``, ``eta``:
-    STAR's cut is at η % of the sum (checked against the sums' error).
+    """:func:`truncate`'s cut from a Gram matrix's spectrum (:func:`gram_spectrum`): the same
+    numerical rank, the same cut with ties extended; ``rescale``: STAR's factor ``Σσ/Σ_{j≤r}σ``;
+    ``eta``: STAR's cut is at η % of the sum (checked against the sums' error).
 
-    The amplification (the error bound over ε) is the largest of: ``λ_ref/(λ_r − λ_{r+1})`` for
-    the kept subspace (λ_ref the Gram matrix's own λ_max, or ``reference²`` where that is larger:
-    a centred part is only as accurate as the task vector it came from), and for STAR the relative
-    error of its sums (``Σ_j λ_max/(2σ_j)``, plus the components whose eigenvalue lies within
-    ``M·ε·λ_max`` of the floor, over each sum); inf where the numerical rank, the tie extension or
-    STAR's η-crossing is closer to its threshold than the route resolves."""
+    The Gram matrix is known to E ≈ ε·λ_ref, so an eigenvalue to ε·λ_ref, a σ to ε·λ_ref/(2σ),
+    and the kept subspace mixes with a dropped direction by E/(λ_r − λ_{r+1}); in X·V_r·V_rᵀ that
+    moves the result by ε·σ_ref·σ_r/(λ_r − λ_{r+1}) relative to σ_ref (rotations within the kept
+    subspace cancel). The amplification (the error bound over ε) is the largest of that and, for
+    STAR, the sums' relative error; plus, for each eigenvalue within ``M·ε·λ_ref`` of the floor
+    (decided either way by rounding), its σ relative to σ_ref. It is inf where the tie extension
+    or STAR's η-crossing lies within the route's error of its threshold."""
     sig_all = spec.sigma
     small = spec.small
-    lam_max = float(sig_all[0] ** 2) if sig_all.size else 0.0
-    lam_ref = max(lam_max, float(reference or 0.0) ** 2)
-    rank = numerical_rank(sig_all, small, reference)
-    sig = sig_all[:rank]
-    empty = torch.zeros(
-        (small, 0), dtype=torch.float64, device=spec.gram.device if spec.gram is not None else None
-    )
-    if not rank:
-        return GramCut(empty, 0.0, sig, 0, 1.0)
+    dev = spec.gram.device if spec.gram is not None else None
     floor = GRAM_FLOOR * small * EPS64 * lam_ref
+    rank = int(np.count_nonzero(sig_all > 0))
+    sig = sig_all[:rank]
     err_lam = EPS64 * lam_ref  # an eigenvalue's error on this route
-    amp = 1.0
-    # the numerical rank: an eigenvalue within M·ε·λ_ref of the floor is on the edge
-    edge = np.abs(lam_raw - floor) <= small * err_lam
-    if edge.any():
-        amp = math.inf
-    r = cut_with_ties(sig, min(r_of(sig, rank), rank), rank, unit)
+    # components at the floor: included or not by rounding; each moves the result by its σ
+    n_edge = int(np.count_nonzero(np.abs(lam_raw - floor) <= small * err_lam))
+    edge = n_edge * math.sqrt(floor / lam_ref) if lam_ref > 0 else 0.0
+    if not rank:
+        empty = torch.zeros((small, 0), dtype=torch.float64, device=dev)
+        return GramCut(empty, 0.0, sig, 0, max(1.0, edge / EPS64))
+    r0 = min(r_of(sig, rank), rank)
+    r = cut_with_ties(sig, r0, rank, unit)
     err_sig = err_lam / (2.0 * sig)  # each σ's error
-    # the tie extension: a gap within both σ's errors of ε·σ_max/unit
+    amp = 1.0
+    # the tie extension compared σ[j] with σ[j−1] − ε·σ_max/unit for j = r0 … r (below the rank)
     delta = EPS64 * float(sig[0]) / unit
-    if r < rank and abs(float(sig[r - 1] - sig[r]) - delta) <= err_sig[r - 1] + err_sig[r]:
-        amp = math.inf
+    for j in range(max(r0, 1), min(r, rank - 1) + 1):
+        if abs(float(sig[j - 1] - sig[j]) - delta) <= err_sig[j - 1] + err_sig[j]:
+            amp = math.inf
     lam = sig**2
     gap = lam[r - 1] - (lam[r] if r < rank else 0.0)
-    amp = max(amp, lam_ref / gap if gap > 0 else math.inf)
+    amp = max(amp, math.sqrt(lam_ref) * float(sig[r - 1]) / gap if gap > 0 else math.inf)
     scale = 1.0
     if rescale:
         total, part = float(sig.sum()), float(sig[:r].sum())
-        e_total, e_part = float(err_sig.sum()) / EPS64, float(err_sig[:r].sum()) / EPS64
-        amp = max(amp, e_total / total + e_part / part)
+        e_total = float(err_sig.sum()) + edge * math.sqrt(lam_ref)
+        e_part = float(err_sig[:r].sum())
+        amp = max(amp, (e_total / total + e_part / part) / EPS64)
         scale = total / part
         if eta is not None:  # the η-crossing: the cumulative sums on either side of the cut
             c = np.cumsum(sig)
             target = eta / 100.0 * c[-1]
-            err = EPS64 * e_total * (1.0 + eta / 100.0)
+            err = e_total * (1.0 + eta / 100.0)
             first = r_of(sig, rank)
             # the last partial sum is the total itself, which η ≤ 100 % never exceeds
             above = first < rank and c[first - 1] - target <= err
             if above or (first >= 2 and target - c[first - 2] <= err):
                 amp = math.inf
+    amp += edge * max(1.0, scale) / EPS64
     v = spec.vectors_for(np.arange(r))
     return GramCut(v, scale, sig, r, amp)
 
@@ -280,21 +288,21 @@ def star_gram(
     """STAR's cuts of every task vector from its Gram matrix, and the update's factor α/T."""
     cuts = []
     for g in gs:
-        spec, lam = gram_spectrum(g, shape)
-        cuts.append(gram_cut(spec, lam, star_rank(eta), unit, rescale=True, eta=eta))
+        spec, lam, lam_ref = gram_spectrum(g, shape)
+        cuts.append(gram_cut(spec, lam, lam_ref, star_rank(eta), unit, rescale=True, eta=eta))
     return cuts, alpha / len(gs)
 
 
 def cart_gram(
     gs: Sequence[torch.Tensor], norms: Sequence[float], shape: tuple[int, int], ratio: float, unit: float
 ) -> tuple[list[GramCut], int]:
-    """CART's cuts of every centred part from its Gram matrix (``norms``: ‖X_i‖_F, the reference
-    of each part's numerical rank as in :func:`cart`), and k."""
+    """CART's cuts of every centred part from its Gram matrix (``norms``: max(‖X_i‖_F, ‖τ̄‖_F),
+    the reference of each part's numerical rank as in :func:`cart`), and k."""
     k = cart_k(min(shape), ratio)
     cuts = []
     for g, ref in zip(gs, norms, strict=True):
-        spec, lam = gram_spectrum(g, shape)
-        cuts.append(gram_cut(spec, lam, lambda sig, rank: k, unit, reference=ref))
+        spec, lam, lam_ref = gram_spectrum(g, shape, reference=ref)
+        cuts.append(gram_cut(spec, lam, lam_ref, lambda sig, rank: k, unit))
     return cuts, k
 
 
@@ -345,16 +353,18 @@ def star_plan(blocks: TallBlocks, eta: float, alpha: float, unit: float) -> Gram
 def cart_plan(blocks: TallBlocks, ratio: float, lam: float, unit: float) -> GramPlan:
     m = blocks.small
     gs = [torch.zeros((m, m), dtype=torch.float64, device=blocks.device) for _ in range(blocks.n)]
-    sumsq = [0.0] * blocks.n
+    sumsq = [0.0] * (blocks.n + 1)  # ‖X_i‖_F², then ‖τ̄‖_F²
     for _, xs in blocks:
         mean = _mean(xs)
         for i, x in enumerate(xs):
             sumsq[i] += float(torch.linalg.vector_norm(x) ** 2)
             gram_add_(gs[i], x - mean)
+        sumsq[-1] += float(torch.linalg.vector_norm(mean) ** 2)
     _finite_grams(blocks.job, gs)
     if not all(math.isfinite(v) for v in sumsq):
         raise NonFiniteInput.of(blocks.job)
-    cuts, k = cart_gram(gs, [math.sqrt(v) for v in sumsq], blocks.shape, ratio, unit)
+    refs = [math.sqrt(max(v, sumsq[-1])) for v in sumsq[:-1]]
+    cuts, k = cart_gram(gs, refs, blocks.shape, ratio, unit)
     del gs
 
     def update(xs: list[torch.Tensor]) -> torch.Tensor:
