@@ -367,6 +367,17 @@ def test_the_normalised_accuracy_objective_searches_and_chooses_on_the_new_skill
     before = [r for r in rows if r["order"] < min(f["order"] for f in follow)]
     top = max(before, key=lambda r: r["normalised_accuracy"])
     assert {k: v for k, v in follow[0]["params"].items() if k not in ("lines", "calibrate")} == top["params"]
+    # the table shows the objective's column and the winner line its value
+    import io
+
+    from rich.console import Console
+
+    from dghard_cli.cli.render_sweep import render_sweep
+
+    buf = io.StringIO()
+    render_sweep(Console(file=buf, width=250), doc)
+    text = buf.getvalue()
+    assert "norm. acc. %" in text and f"normalised accuracy {best:.1f} %" in text
     assert doc["gate"]["objective"] == "normalised-accuracy" and doc["gate"]["value"] == best
     assert doc["gate"]["passed"] is False and "normalised accuracy" in doc["gate"]["reason"]
 

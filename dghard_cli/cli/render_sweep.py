@@ -21,6 +21,7 @@ def _fmt_sweep(v: float | None, spec: str = ".1f") -> str:
 def render_sweep(console: Console, doc: dict) -> None:
 
     b = doc["budget"]
+    norm = doc["options"].get("objective") == "normalised-accuracy"  # its column, when it chose
     t = Table(title="dghard sweep", box=None, header_style="bold")
     for col in (
         "#",
@@ -30,6 +31,7 @@ def render_sweep(console: Console, doc: dict) -> None:
         "repair %",
         "retention %",
         "HM",
+        *(["norm. acc. %"] if norm else []),
         "target %",
         "dist. to FT",
         "time s",
@@ -50,6 +52,7 @@ def render_sweep(console: Console, doc: dict) -> None:
             _fmt_sweep(r["repair"]),
             _fmt_sweep(r["retention"]),
             _fmt_sweep(r["hm"]),
+            *([_fmt_sweep(r.get("normalised_accuracy"))] if norm else []),
             _fmt_sweep(r["target_retention_mean"]),
             _fmt_sweep(r["distance"], ".3f"),
             f"{secs:.1f}",
