@@ -317,10 +317,10 @@ def test_the_accurate_route_that_cannot_fit_is_refused_in_one_line(tmp_path, mon
     """Where the accurate route is needed and its SVDs cannot fit, one line names the tensor,
     the bound and what to do (here: a bf16 output, which the Gram route resolves), and nothing is
     written."""
-    import dghard_cli.methods.low_rank as lr
+    import dghard_cli.methods.subspace as sub
 
     name = _at_the_floor(tmp_path)
-    monkeypatch.setattr(lr, "machine_memory", lambda device=None: 1000)
+    monkeypatch.setattr(sub, "machine_memory", lambda device=None: 1000)
     with pytest.raises(Exception) as e:
         run(tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "star", policy=_policy(min_numel=0))
     msg = str(e.value)

@@ -67,7 +67,6 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import finite
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
@@ -76,13 +75,13 @@ from dghard_cli.methods.subspace import (
     ALPHA_SWEEP_RANGE,
     NonFiniteInput,
     TallBlocks,
-    coarser_output_hint,
+    check_accurate_route,
     kept_nonfinite,
     matrix_rule,
     tolerance,
 )
 from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
-from dghard_cli.methods.subspace_svd import SvdResult, svd64, svd_route_bytes
+from dghard_cli.methods.subspace_svd import SvdResult, svd64
 from dghard_cli.spectral.routes import GRAM_FLOOR, gram_add_
 from dghard_cli.spectral.spectrum import ROUTE as GRAM_ROUTE
 from dghard_cli.spectral.spectrum import Spectrum
@@ -433,15 +432,14 @@ class LowRankMergeOp:
             yield from blocks.output(plan.update, None)
             return
         # the Gram route does not resolve this matrix to the written dtype: the accurate route
-        need = svd_route_bytes(blocks.big, blocks.small, blocks.n)
-        limit = machine_memory(self.device)
-        if limit is not None and need > limit:
-            raise InputError(
-                f"tensor {job.name!r}: --method {self.name}'s float64 Gram route does not resolve this "
-                f"matrix to the {written} output's resolution {tol:.1e} (error bound {bound:.1e}), and "
-                f"the accurate SVD route needs about {need / 1e9:.1f} GB, more than this machine has; "
-                f"{coarser_output_hint(written, bound)}"
-            )
+        check_accurate_route(
+            blocks,
+            self.device,
+            f"--method {self.name}'s float64 Gram route does not resolve this matrix to the {written} "
+            f"output's resolution {tol:.1e} (error bound {bound:.1e})",
+            written,
+            bound,
+        )
         res = self.merge(blocks.whole(), tol)
         rec.update(
             {

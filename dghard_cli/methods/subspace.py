@@ -311,6 +311,20 @@ class TallBlocks:
             yield cast_out(self.src.ft(0, (self.rows, job.shape[0])), job.out_dtype, job.name)
 
 
+def check_accurate_route(
+    blocks: TallBlocks, device: torch.device, why: str, written: str, bound: float
+) -> None:
+    """InputError naming the tensor, ``why`` the Gram route does not do, and what to do, when the
+    accurate route's float64 SVDs of this matrix cannot fit in the machine's memory."""
+    need = svd_route_bytes(blocks.big, blocks.small, blocks.n)
+    limit = machine_memory(device)
+    if limit is not None and need > limit:
+        raise InputError(
+            f"tensor {blocks.job.name!r}: {why}, and the accurate SVD route needs about "
+            f"{need / 1e9:.1f} GB, more than this machine has; {coarser_output_hint(written, bound)}"
+        )
+
+
 def _sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     s = xs[0].clone()
     for x in xs[1:]:
@@ -382,16 +396,15 @@ class SubspaceMergeOp:
             yield from blocks.output(res.left, res.kernel)
             return
         # the Gram route's bound is too loose for the written dtype: the accurate route
-        need = svd_route_bytes(blocks.big, blocks.small, blocks.n)
-        limit = machine_memory(self.device)
-        if limit is not None and need > limit:
-            raise InputError(
-                f"tensor {job.name!r}: --method {self.name} divides by singular values down to "
-                f"1/{math.sqrt(res.amplification):.3g} of the largest here; the float64 Gram route's "
-                f"error bound {bound:.1e} exceeds the {written} output's resolution {tol:.1e}, and the "
-                f"accurate SVD route needs about {need / 1e9:.1f} GB, more than this machine has; "
-                f"{coarser_output_hint(written, bound)}"
-            )
+        check_accurate_route(
+            blocks,
+            self.device,
+            f"--method {self.name} divides by singular values down to "
+            f"1/{math.sqrt(res.amplification):.3g} of the largest here; the float64 Gram route's "
+            f"error bound {bound:.1e} exceeds the {written} output's resolution {tol:.1e}",
+            written,
+            bound,
+        )
         acc = res.accurate(blocks.whole())
         bound_svd = EPS64 * acc.kappa
         assert bound_svd <= tol, (job.name, bound_svd)  # the rank floor keeps it below float32's
