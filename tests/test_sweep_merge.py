@@ -630,9 +630,8 @@ def test_the_follow_ups_of_a_ties_merge_fix_its_strength(experts):
     assert only.axis == "lines" and dict(only.merge_params)["lambda"] == 0.3
 
 
-def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
-    experts, swept, tmp_path, monkeypatch
-):
+def _interrupted(experts, out, monkeypatch, at: int, **kw) -> None:
+    """A sweep stopped by Ctrl-C while its ``at``-th evaluation runs (its cache kept)."""
     import os
     import signal
     import time
@@ -640,22 +639,29 @@ def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
     from dghard_cli.errors import Interrupted
     from dghard_cli.sweeping import jobs
 
-    doc, _ = swept
     real, calls = jobs.run_command, []
 
-    def interrupt_at_the_12th(*args, **kwargs):
+    def interrupt(*args, **kwargs):
         calls.append(1)
-        if len(calls) == 12:  # 4 references, then the 8th candidate: before the follow-ups
+        if len(calls) == at:
             os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while this evaluation runs
             time.sleep(1)
             raise RuntimeError("stopped by the interruption")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(jobs, "run_command", interrupt_at_the_12th)
-    out = tmp_path / "resumed"
+    monkeypatch.setattr(jobs, "run_command", interrupt)
     with pytest.raises(Interrupted):
-        _sweep(experts, out, budget=16)
+        _sweep(experts, out, **kw)
     monkeypatch.setattr(jobs, "run_command", real)
+
+
+def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
+    experts, swept, tmp_path, monkeypatch
+):
+    doc, _ = swept
+    out = tmp_path / "resumed"
+    # 4 references, then the 8th candidate: before the follow-ups
+    _interrupted(experts, out, monkeypatch, 12, budget=16)
     again = _sweep(experts, out, budget=16)
     assert again["budget"]["from_cache"] == 11 and again["budget"]["run_now"] == 16 - 11
     assert [r["name"] for r in again["candidates"]] == [r["name"] for r in doc["candidates"]]
@@ -663,28 +669,8 @@ def test_an_interrupted_merge_sweep_resumes_and_derives_the_same_follow_ups(
 
 
 def test_a_sweep_resumed_with_another_objective_reuses_its_evaluations(experts, tmp_path, monkeypatch):
-    import os
-    import signal
-    import time
-
-    from dghard_cli.errors import Interrupted
-    from dghard_cli.sweeping import jobs
-
-    real, calls = jobs.run_command, []
-
-    def interrupt_at_the_8th(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 8:  # 4 references, then the 4th candidate
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(1)
-            raise RuntimeError("stopped by the interruption")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(jobs, "run_command", interrupt_at_the_8th)
     out = tmp_path / "resumed"
-    with pytest.raises(Interrupted):
-        _sweep(experts, out, budget=10)
-    monkeypatch.setattr(jobs, "run_command", real)
+    _interrupted(experts, out, monkeypatch, 8, budget=10)  # 4 references, then the 4th candidate
     again = _sweep(experts, out, budget=10, objective="normalised-accuracy")
     assert again["budget"]["from_cache"] == 7 and again["options"]["objective"] == "normalised-accuracy"
     rows = [r for r in again["candidates"] if r["status"] == "ok"]
