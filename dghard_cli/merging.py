@@ -271,7 +271,7 @@ def merge(
             )
         plan = build_plan(base_ck, ft_cks, opts.policy, eligible=merge_eligibility(opts.policy))
         computed = _computed_jobs(plan, ft_cks, output)
-        if "calibrate" in p:  # SVC's float64 SVDs of whole matrices: refused before anything is written
+        if "calibrate" in p:  # SVC's Gram route: refused before anything is written if it cannot fit
             from dghard_cli.engine.working_memory import check_dense_svd
             from dghard_cli.methods.subspace import matrix_rule
             from dghard_cli.methods.svc import svc_bytes
@@ -283,7 +283,7 @@ def merge(
                 what="--calibrate svc",
                 device=resolve_device(opts.run.device),
                 bytes_of=svc_bytes,
-                work="a float64 SVD of each merged update, one task vector at a time",
+                work="each merged matrix held in float64, with its Gram matrices",
             )
         check_plan = registry.methods()[method].check_plan
         if check_plan is not None:
@@ -324,7 +324,9 @@ def merge(
                 from dghard_cli.methods import svc
                 from dghard_cli.methods.subspace import matrix_rule
 
-                make_op = svc.wrap(make_op, p.get("svc_alpha", svc.SVC_ALPHA), matrix_rule(o.policy))
+                make_op = svc.wrap(
+                    make_op, p.get("svc_alpha", svc.SVC_ALPHA), matrix_rule(o.policy), o.block_bytes
+                )
             return wrap_scheduled(make_op) if strengths is not None else make_op
 
         make_op = op_maker(opts)
