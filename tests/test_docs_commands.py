@@ -58,6 +58,25 @@ def _norm(line: str) -> str:
     return " ".join(line.split())
 
 
+#: Decimals a CPU's vector kernels move: RECALL's weights come from float32 forward passes, and on
+#: the shipped example AVX-512 and AVX2 kernels give 0.463 and 0.465 (docs/merge.md says so).
+NUMBER = re.compile(r"^-?\d+\.\d+$")
+FLOAT32_SPREAD = 0.005
+
+
+def _close(shown: str, got: set[str]) -> bool:
+    """``shown`` printed, up to FLOAT32_SPREAD in each decimal number of a table row."""
+    want = shown.split()
+    for line in got:
+        have = line.split()
+        if len(have) == len(want) and all(
+            a == b or (NUMBER.match(a) and NUMBER.match(b) and abs(float(a) - float(b)) <= FLOAT32_SPREAD)
+            for a, b in zip(want, have, strict=True)
+        ):
+            return True
+    return False
+
+
 def _logical_lines(block: list[tuple[int, str]]):
     """Join backslash continuations; yields (first line number, text)."""
     start, parts = None, []
@@ -195,7 +214,11 @@ def test_page_commands_run(page, sandbox):
         # a line the terminal wrapped: up to 3 consecutive lines joined
         got = {" ".join(lines[i : i + k]) for k in (1, 2, 3) for i in range(len(lines))}
         shown = c.shown if not any(k in c.text for k in SHORTER) else ()  # a shortened run prints less
-        stale = [line for line in shown if not VOLATILE.search(line) and _norm(line) not in got]
+        stale = [
+            line
+            for line in shown
+            if not VOLATILE.search(line) and _norm(line) not in got and not _close(_norm(line), got)
+        ]
         assert not stale, f"{c.page}:{c.line}: `{c.text}` no longer prints {stale}\n{printed[-3000:]}"
 
 
