@@ -202,6 +202,7 @@ def _gram_route(dm: torch.Tensor, ds: list[torch.Tensor], alpha: float):
         [float(torch.linalg.vector_norm(x)) for x in xs],
         alpha,
         2.0**-24,
+        xm.shape[0],
     )
     out = xm + xm @ cal.kernel
     return (out if tall else out.T), cal
@@ -243,7 +244,7 @@ def test_the_gram_route_is_within_its_bound_of_the_dense_svd():
         else:
             dm = float(torch.rand(1, generator=g)) * dm
         alpha = (0.1, 0.3, 1.0)[trial % 3]
-        want, _ = calibrate(dm, iter(ds), alpha)
+        want = calibrate(dm, iter(ds), alpha)[0]
         got, cal = _gram_route(dm, ds, alpha)
         s1 = float(torch.linalg.matrix_norm(dm, ord=2))
         err = float(torch.linalg.matrix_norm(got - want, ord=2)) / s1
@@ -268,6 +269,45 @@ def test_the_gram_route_is_within_its_bound_of_the_dense_svd():
     ]
     cal = _gram_route(sum(ds), ds, 0.1)[1]
     assert cal.rank == 3 and 2.0**-24 < cal.bound < 2.0**-8
+
+
+def test_a_gap_at_the_cluster_threshold_is_not_trusted_to_the_gram_route():
+    """Two singular values 1 ulp further apart than the float32 output's cluster threshold
+    (ε·σ_max/2⁻²⁴), exact in float64: the dense route gives each its own γ (0.94 and 5.33), the
+    Gram route's eigenvalues, known to their rounding only, put them in one cluster (7.08 both),
+    1.5·σ_max away. The bound was 2.3e-13 and the Gram route was taken; the decision lies within
+    the rounding, so the bound is infinite now and the matrix takes the dense route."""
+    from scipy.linalg import hadamard
+
+    from dghard_cli.methods.svc import calibrate
+
+    g = torch.Generator().manual_seed(1)
+    u = torch.tensor(hadamard(64), dtype=torch.float64)[:, torch.randperm(64, generator=g)[:16]] / 8
+    v = torch.tensor(hadamard(16), dtype=torch.float64)[:, torch.randperm(16, generator=g)[:16]] / 4
+    gap = 2.0**-28 + 2.0**-52
+    s = torch.tensor(
+        [1.0, 0.25, 0.25 - gap] + [0.75 * 2.0 ** -(j + 3) for j in range(13)], dtype=torch.float64
+    )
+    t1, t2 = torch.ones(16, dtype=torch.float64), torch.ones(16, dtype=torch.float64)
+    t1[1:3], t2[1:3] = torch.tensor([2.0, 1.0]), torch.tensor([0.125, 2.0])
+    dm, ds = (u * s) @ v.T, [(u * t1) @ v.T, (u * t2) @ v.T]
+    gamma = calibrate(dm, iter(ds), 0.1)[1]
+    assert abs(float(gamma[1]) - float(gamma[2])) > 1.0  # two clusters on the dense route
+    assert _gram_route(dm, ds, 0.1)[1].bound > 2.0**-24
+
+
+def test_a_fine_tune_that_left_a_matrix_unchanged_keeps_it_on_the_gram_route(tmp_path, models):
+    """A zero task vector has s = 0 exactly on both routes. Its 0/0 made the bound infinite-like
+    (2.4), so every matrix of a merge with an untouched module (a frozen embedding, an adapter on
+    other modules) took the dense SVD, or was refused where it could not fit."""
+    b, fs = models["B"], models["F"]
+    fts = [models["fts"][0], models["fts"][1], models["base"]]
+    doc, got = run(models["base"], fts, tmp_path / "o", "task-arithmetic", lam=0.5, calibrate="svc")
+    three_fs = [fs[0], fs[1], b]
+    merged = {k: v + 0.5 * sum(f[k] - v for f in three_fs) for k, v in b.items()}
+    assert_close(got, calibrated(b, merged, three_fs), b)
+    records = [r["svc"] for r in doc["tensors"] if "svc" in r]
+    assert records and all(r["route"] == "gram-eigh-float64" and r["error_bound"] < 1e-9 for r in records)
 
 
 @pytest.fixture(scope="module")

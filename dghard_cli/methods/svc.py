@@ -27,23 +27,24 @@ gives the singular values and the directions the formula needs without any N × 
     m < n (Q = U):  ⟨a_rᵐ, a_rⁱ⟩ = q_rᵀ·P_i·q_r,   ‖a_rⁱ‖² = q_rᵀ·(X_iᵀX_i)·q_r
 
 and the output pass writes X_m·(I + K), K = Q·diag(γ − 1)·Qᵀ, block by block: the merge's own
-update wherever γ = 1. Working set (:func:`svc_bytes`): the merged matrix, (2T + 3) M × M float64
-matrices and one set of row blocks (a wide matrix's inputs are read whole, as in every spectral
-pass); 3 fine-tunes of a 0.5B model's 151936 × 896 embedding: about 1.1 GB, against 8.7 GB for
-the dense SVD.
+update wherever γ = 1. Working set (:func:`svc_bytes`): the merged matrix, up to (2T + 7) M × M
+float64 matrices and one set of row blocks (a wide matrix's inputs are read whole, as in every
+spectral pass, and its output assembled whole); 3 fine-tunes of a 0.5B model's 151936 × 896
+embedding: about 1.3 GB, against 8.7 GB for the dense SVD.
 
-Accuracy: the Gram matrices are known to about ε·λ_max, so a direction's singular vector to
-ε·λ_max over its eigenvalue's distance to the nearest other cluster's, and each γ to an
-interval computed from those errors. Each record's ``svc.error_bound`` bounds the calibrated
-update's error relative to σ_max: the γ intervals' widths times σ_r, the directions' mixing
-times the largest γ difference, and the directions at the route's floor (σ² ≤ 4·M·ε·σ_max²,
-unresolved: left as the merge wrote them, each off by at most max(1, γ_max)·σ). A matrix whose
-bound exceeds the output dtype's resolution (float32's at the finest; a float32 output of a
-rank-deficient merged update, say) is calibrated again by the **accurate route**: the thin
-float64 SVD of the whole merged update, one task vector at a time (working set ≈ 8·8·m·n bytes,
-checked against the machine's memory before that matrix is computed, :func:`svc_dense_bytes`);
-its record says ``route: "svd-float64"`` and keeps the Gram route's bound as
-``gram_error_bound``.
+Accuracy: the Gram matrices are known to about √N·ε·λ_max (measured: 0.1·√N·ε·λ_max), so a
+direction's singular vector to that over its eigenvalue's distance to another cluster's, and
+each γ to an interval computed from those errors. Each record's ``svc.error_bound`` bounds the
+calibrated update's error relative to σ_max, to first order: the sum of the γ intervals' widths
+times σ_r, the directions' mixing times the γ differences, and the directions at the route's
+floor (σ² ≤ 4·M·ε·σ_max², unresolved: left as the merge wrote them, each off by at most
+max(1, 1/α − 1)·σ); it is infinite where a gap between singular values lies within their error
+of the cluster threshold. A matrix whose bound exceeds the output dtype's resolution (float32's
+at the finest; a float32 output of a rank-deficient merged update, say) is calibrated again by
+the **accurate route**: the thin float64 SVD of the whole merged update, one task vector at a
+time (working set ≈ 8·8·m·n bytes, checked against the machine's memory before that matrix is
+computed, :func:`svc_dense_bytes`); its record says ``route: "svd-float64"`` and keeps the Gram
+route's bound as ``gram_error_bound`` (null where infinite).
 """
 
 from __future__ import annotations
@@ -87,9 +88,9 @@ def clusters(sigma: torch.Tensor, unit: float) -> torch.Tensor:
 
 def calibrate(
     delta_m: torch.Tensor, deltas: Iterable[torch.Tensor], alpha: float, unit: float = 2.0**-24
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The accurate route: the calibrated merged update of ``delta_m`` (float64) and the factors γ
-    (pure), from the thin SVD of the whole matrix.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The accurate route: the calibrated merged update of ``delta_m`` (float64), the factors γ and
+    the singular values σ (pure), from the thin SVD of the whole matrix.
 
     ``deltas``: the task vectors, used one at a time (a generator that makes each when it is
     needed keeps one in memory, not T).
@@ -113,7 +114,7 @@ def calibrate(
         total += torch.clamp(s, min=alpha)
         del d, a
     gamma = (n_tasks / total)[c]
-    return (u * (gamma * sigma)) @ vh, gamma
+    return (u * (gamma * sigma)) @ vh, gamma, sigma
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,18 +134,24 @@ def gram_calibration(
     norms: Sequence[float],
     alpha: float,
     unit: float,
+    rows: int,
 ) -> GramCalibration:
     """:func:`calibrate`'s factors from M × M matrices of the tall form (pure): ``gram`` X_mᵀX_m,
     ``products`` X_mᵀX_i, ``task_grams`` X_iᵀX_i for a wide matrix (None for a tall one: its u_r
-    are X_m's left vectors), ``norms`` ‖X_i‖_F (for the bound). The same clusters, the same
-    formula; directions at the route's floor (σ² ≤ 4·M·ε·σ_max²) keep γ = 1.
+    are X_m's left vectors), ``norms`` ‖X_i‖_F (for the bound), ``rows`` N (the tall form's rows,
+    which the products' rounding grows with). The same clusters, the same formula; directions at
+    the route's floor (σ² ≤ 4·M·ε·σ_max²) keep γ = 1; a task vector that is zero here has s = 0
+    exactly, as on the dense route.
 
-    The bound (first order in the rounding): G and the products are known to e = ε·λ_max and
-    ε·σ_max·‖X_i‖; a direction q_r moves towards q_j by at most c_rj = e/|λ_r − λ_j| (0 within
-    a cluster, whose γ does not depend on its basis). From those, each cluster's s_cⁱ lies in an
-    interval and γ_c in [T/Σ hi, T/Σ lo]. The update is off by at most (γ_hi − γ_lo)·σ_r along
-    each direction, by ‖[σ_j·|γ_r − γ_j|·c_rj]‖_F through the directions' mixing, and by
-    max(1, 1/α − 1)·σ along the directions at the floor (their γ unknown)."""
+    The bound (first order in the rounding): G and the products are known to e = √N·ε·λ_max and
+    √N·ε·σ_max·‖X_i‖ (measured: about 0.1·√N·ε·λ_max for N from 300 to 150 000); a direction q_r
+    moves towards q_j by at most c_rj = e/|λ_r − λ_j| (0 within a cluster, whose γ does not
+    depend on its basis). From those, each cluster's s_cⁱ lies in an interval and γ_c in
+    [T/Σ hi, T/Σ lo]. The update is off by at most the sum of (γ_hi − γ_lo)·σ_r along each
+    direction, ‖[σ_j·|γ_r − γ_j|·c_rj]‖_F through the directions' mixing, and
+    max(1, 1/α − 1)·σ along the directions at the floor (their γ unknown). A gap between
+    neighbouring singular values within their error (e/2σ each) of the cluster threshold is a
+    decision rounding makes (on the dense route too): the bound is then infinite."""
     m = gram.shape[0]
     dev = gram.device
     n_tasks = len(products)
@@ -160,7 +167,8 @@ def gram_calibration(
     sigma = lr.sqrt()
     c = clusters(sigma, unit)
     n_c = int(c[-1]) + 1
-    e_g = EPS64 * lam_max  # G's error, and each eigenvalue's
+    grow = math.sqrt(max(rows, 1))
+    e_g = grow * EPS64 * lam_max  # G's error, and each eigenvalue's
     sig_max = math.sqrt(lam_max)
     # every direction's σ (at the floor: as large as it could be), and the couplings c_rj
     sig_all = torch.cat([sigma, (lam[rank:].clamp(min=0.0) + e_g).sqrt()])
@@ -172,13 +180,17 @@ def gram_calibration(
     total, t_lo, t_hi = zeros(), zeros(), zeros()
     for i, p in enumerate(products):
         f = float(norms[i])
+        if f == 0.0:  # a zero task vector: s = 0 exactly (no component along any u_r)
+            for t in (total, t_lo, t_hi):
+                t += alpha
+            continue
         w = p.T @ q  # column j: P_iᵀ·q_j
         num_r = (w[:, :rank] * qr).sum(dim=0)
         if task_grams is None:  # tall: ‖a_rⁱ‖ = ‖P_iᵀ·q_r‖ / σ_r
             wn = torch.linalg.vector_norm(w, dim=0)
             wn[rank:] = f * sig_all[rank:]  # a direction at the floor: ‖X_iᵀX_m·q‖ ≤ ‖X_i‖·σ
             mixed = coup @ torch.stack([torch.ones_like(wn), wn], dim=1)
-            e_w = EPS64 * sig_max * f + mixed[:, 1]
+            e_w = grow * EPS64 * sig_max * f + mixed[:, 1]
             wr = wn[:rank]
             den_r = wr**2 / lr
             den_lo_r = torch.clamp(wr - e_w, min=0.0) ** 2 / (lr + e_g)
@@ -189,9 +201,9 @@ def gram_calibration(
             root = den_all.sqrt()
             mixed = coup @ torch.stack([root, sig_all], dim=1)
             den_r = den_all[:rank]
-            e_den = EPS64 * f * f + 2.0 * root[:rank] * mixed[:, 0]
+            e_den = grow * EPS64 * f * f + 2.0 * root[:rank] * mixed[:, 0]
             den_lo_r, den_hi_r = den_r - e_den, den_r + e_den
-            e_num = EPS64 * sig_max * f + root[:rank] * mixed[:, 1] + sigma * mixed[:, 0]
+            e_num = grow * EPS64 * sig_max * f + root[:rank] * mixed[:, 1] + sigma * mixed[:, 0]
         sums = [zeros().index_add_(0, c, v) for v in (num_r, e_num, den_r, den_lo_r, den_hi_r)]
         num, e, den, den_lo, den_hi = sums
         s = torch.where(den > 0, num / torch.where(den > 0, den, 1.0), 0.0)
@@ -208,7 +220,12 @@ def gram_calibration(
         float(torch.linalg.matrix_norm(coup * sig_all[None, :] * (g_r[:, None] - g_all[None, :]))) / sig_max
     )
     edge = max(1.0, 1.0 / alpha - 1.0) * math.sqrt((floor + e_g) / lam_max) if rank < m else 0.0
-    bound = max(width, mixing, edge, ROUNDING * m * EPS64)
+    bound = width + mixing + edge + ROUNDING * m * EPS64
+    # the cluster decisions: a gap within the σ's error of the threshold ε·σ_max/unit
+    err_sig = e_g / (2.0 * sigma)
+    near = ((sigma[:-1] - sigma[1:]) - EPS64 * float(sigma[0]) / unit).abs() <= err_sig[:-1] + err_sig[1:]
+    if bool(near.any()):
+        bound = math.inf
     kernel = (qr * (g_r - 1.0)) @ qr.T
     return GramCalibration(kernel, g_r, rank, bound)
 
@@ -229,9 +246,10 @@ def svc_bytes(rows: int, cols: int, n_fts: int) -> int:
     """The Gram route's float64 working set for one m × n matrix (see the module's docstring): the
     merged matrix and up to (2T + 7) M × M matrices (G, the products, a wide matrix's task Gram
     matrices, the eigenvectors and the eigensolver's workspace, the couplings, one product's
-    projection, the kernel); a wide matrix's inputs whole (4 bytes a value counted)."""
+    projection, the kernel); a wide matrix's inputs and output whole (4 bytes a value counted).
+    The row blocks (``block_bytes``) come on top."""
     small = min(rows, cols)
-    whole = (n_fts + 1) * 4 * rows * cols if rows < cols else 0
+    whole = (n_fts + 2) * 4 * rows * cols if rows < cols else 0  # the inputs, and the output
     return 8 * rows * cols + (2 * n_fts + 7) * 8 * small * small + whole
 
 
@@ -282,7 +300,7 @@ class CalibratedOp:
         tall = _TallForm(job, src, merged, rows, self.device, self.block_bytes)
         cal = tall.calibration(self.alpha, unit)
         rec["svc"] = {"route": GRAM_ROUTE, "rank": cal.rank, **_gamma_range(cal.gamma)}
-        rec["svc"]["error_bound"] = float(f"{cal.bound:.4g}")
+        rec["svc"]["error_bound"] = _bound(cal.bound)
         if cal.bound <= unit:
             yield from tall.output(cal.kernel)
         else:
@@ -317,16 +335,23 @@ class CalibratedOp:
         base = src.base().to(device=dev, dtype=torch.float64)[:rows]
         # each task vector made when calibrate() reaches it, and freed after: one in memory, not T
         deltas = (src.ft(i).to(device=dev, dtype=torch.float64)[:rows] - base for i in range(len(job.fts)))
-        delta, gamma = calibrate(merged[:rows].to(dev) - base, deltas, self.alpha, unit)
+        delta, gamma, sigma = calibrate(merged[:rows].to(dev) - base, deltas, self.alpha, unit)
         out = base.add_(delta)
         _check_finite(out, job)
+        small = min(rows, job.shape[1])
+        # the directions above the Gram route's floor, as its record counts them (the others hold
+        # rounding: their γ is as arbitrary as their direction)
+        lam = sigma * sigma
+        rank = (
+            int(torch.count_nonzero(lam > GRAM_FLOOR * small * EPS64 * float(lam[0]))) if lam.numel() else 0
+        )
         rec["svc"].update(
             {
                 "route": SVD_ROUTE,
-                "rank": int(gamma.numel()),
-                **_gamma_range(gamma),
-                "error_bound": float(f"{EPS64 * min(rows, job.shape[1]):.4g}"),
-                "gram_error_bound": float(f"{bound:.4g}"),
+                "rank": rank,
+                **_gamma_range(gamma[:rank]),
+                "error_bound": _bound(ROUNDING * small * EPS64),
+                "gram_error_bound": _bound(bound),
             }
         )
         return cast_out(out.cpu(), job.out_dtype, job.name)
@@ -397,7 +422,7 @@ class _TallForm:
                     f"{strength_hint(torch.float64)}"
                 )
         norms = [math.sqrt(float(t)) for t in sumsq]
-        return gram_calibration(gram, products, task_grams, norms, alpha, unit)
+        return gram_calibration(gram, products, task_grams, norms, alpha, unit, max(self.rows, self.cols))
 
     def output(self, kernel: torch.Tensor) -> Iterator[torch.Tensor]:
         """The output pass: the merged block plus X_m,b·K, in the output dtype, in order."""
@@ -424,6 +449,11 @@ def _check_finite(out: torch.Tensor, job: TensorJob) -> None:
         )
 
 
+def _bound(b: float) -> float | None:
+    """A bound for the report (None where infinite: a decision within the rounding)."""
+    return float(f"{b:.4g}") if math.isfinite(b) else None
+
+
 def _gamma_range(gamma: torch.Tensor) -> dict:
     """γ's range (1 where no direction was calibrated: a zero update)."""
     lo, hi = (float(gamma.min()), float(gamma.max())) if gamma.numel() else (1.0, 1.0)
@@ -447,7 +477,9 @@ def summary(records: list[dict]) -> dict:
     if done:
         out["gamma_min"] = min(d["gamma_min"] for d in done)
         out["gamma_max"] = max(d["gamma_max"] for d in done)
-        out["error_bound_max"] = max(d["error_bound"] for d in done)
+        out["error_bound_max"] = max(
+            (d["error_bound"] for d in done if d["error_bound"] is not None), default=None
+        )
         accurate = sum(d["route"] == SVD_ROUTE for d in done)
         if accurate:  # matrices whose Gram-route bound was too loose for the output dtype
             out["accurate_route_matrices"] = accurate
