@@ -10,6 +10,7 @@ operation needs: :func:`passthrough` (an input's value, checked finite), :func:`
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -158,6 +159,22 @@ class OutputRangeError(InputError):
     """Finite computed values that the output dtype cannot hold (they would be written as ±Inf)."""
 
 
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf in ``t`` (True for non-float tensors). One reduction first: a sum is finite only
+    when every value is (an Inf makes it ±Inf or NaN, a NaN makes it NaN), and it costs a fiftieth
+    of ``isfinite(t).all()`` on a bf16 tensor (8 ms against 360 ms for 136 M values). A sum that
+    overflows from finite values is checked again value by value."""
+    if not t.is_floating_point() or not t.numel():
+        return True
+    if t.dtype not in _SUMMABLE:  # float8: no sum and no isfinite of its own on the CPU
+        return bool(torch.isfinite(t.to(torch.float32)).all())
+    return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
+
+
+#: Dtypes whose sum torch computes natively (float8 values are widened to float32 first).
+_SUMMABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
 def cast_out(t: torch.Tensor, out_dtype: str, name: str = "") -> torch.Tensor:
     """``t`` in the output dtype: the one place the full-checkpoint route narrows a value.
 
@@ -170,8 +187,7 @@ def cast_out(t: torch.Tensor, out_dtype: str, name: str = "") -> torch.Tensor:
     if t.dtype == target:
         return t
     out = t.to(target)
-    overflow = out.is_floating_point() and out.numel() and not bool(torch.isfinite(out).all())
-    if overflow and bool(torch.isfinite(t).all()):
+    if not all_finite(out) and all_finite(t):
         big = float(t.abs().max())
         raise OutputRangeError(
             f"tensor {name!r}: computed values reach {big:.4g}, beyond {out_dtype}'s range "
@@ -210,7 +226,7 @@ def passthrough(
         raw = src.raw_span(key, span)
         if is_float:
             t = raw.view(torch_dtype(info.dtype))
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 if not src.allow_nonfinite:
                     which = "BASE" if key == "base" else "the fine-tune"
                     raise InputError(

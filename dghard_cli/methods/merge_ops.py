@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, OutputRangeError, cast_out, strength_hint
+from dghard_cli.engine.ops import JobInputs, OutputRangeError, all_finite, cast_out, strength_hint
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.methods import ties as T
@@ -446,7 +446,7 @@ class ElementwiseMergeOp:
             merged_sq += msq
             out = cast_out(merged.add_(b).cpu(), job.out_dtype, job.name)
             del merged
-            if job.out_dtype == "F16" and not bool(torch.isfinite(out).all()):
+            if job.out_dtype == "F16" and not all_finite(out):
                 raise RuntimeFailure(
                     f"tensor {job.name!r}: the merged values overflow float16; use --dtype bf16"
                 )

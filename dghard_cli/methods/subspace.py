@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dghard_cli.engine.ops import JobInputs, cast_out, passthrough, strength_hint
+from dghard_cli.engine.ops import JobInputs, all_finite, cast_out, passthrough, strength_hint
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
 from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
@@ -287,7 +287,7 @@ class TallBlocks:
                 out = b.add_(left(xs))
             else:
                 out = b.addmm_(left(xs), k) if k.shape[0] else b
-            if not bool(torch.isfinite(out).all()):
+            if not all_finite(out):
                 # the inputs are finite here (the plan refused non-finite ones): the strength
                 # overflowed (iso-c with --alpha 1e308 reported "the merge produced NaN/Inf", exit 3)
                 raise InputError(
@@ -295,7 +295,7 @@ class TallBlocks:
                     f"{strength_hint(out.dtype)}"
                 )
             cast = out.to(out_dtype)
-            if not bool(torch.isfinite(cast).all()):
+            if not all_finite(cast):
                 raise InputError(
                     f"tensor {job.name!r}: the merged values exceed {job.out_dtype}'s range; "
                     f"{strength_hint(job.out_dtype)}"

@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, TensorOp, cast_out, strength_hint
+from dghard_cli.engine.ops import JobInputs, TensorOp, all_finite, cast_out, strength_hint
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
@@ -443,7 +443,7 @@ class _TallForm:
 
 
 def _check_finite(out: torch.Tensor, job: TensorJob) -> None:
-    if not bool(torch.isfinite(out).all()):
+    if not all_finite(out):
         raise InputError(
             f"tensor {job.name!r}: the calibrated update overflows float64; {strength_hint(out.dtype)}"
         )

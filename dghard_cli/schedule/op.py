@@ -20,6 +20,7 @@ from dghard_cli.engine.ops import (
     JobInputs,
     OutputRangeError,
     TensorOp,
+    all_finite,
     cast_out,
     element_spans,
     passthrough,
@@ -43,7 +44,7 @@ def _all_finite(job: TensorJob, src: JobInputs) -> bool:
             continue
         for span in element_spans(info.numel, info.itemsize, CHUNK_BYTES):
             t = src.flat(key, span)
-            if not bool(torch.isfinite(t).all()):
+            if not all_finite(t):
                 return False
     return True
 
@@ -99,7 +100,7 @@ class ScheduledOp:
     @staticmethod
     def _scale(job: TensorJob, w: torch.Tensor, b: torch.Tensor, lam: float) -> torch.Tensor:
         out = torch.sub(w, b).mul_(lam).add_(b)
-        if not bool(torch.isfinite(out).all()):
+        if not all_finite(out):
             if bool(torch.isfinite(w).all()) and bool(torch.isfinite(b).all()):
                 raise OutputRangeError(
                     f"tensor {job.name!r}: layer {job.layer}'s strength {lam:g} (the layer schedule, "
