@@ -166,13 +166,11 @@ def all_finite(t: torch.Tensor) -> bool:
     overflows from finite values is checked again value by value."""
     if not t.is_floating_point() or not t.numel():
         return True
-    if t.dtype not in _SUMMABLE:  # float8: no sum and no isfinite of its own on the CPU
+    # float8 has no sum and no isfinite of its own on the CPU: widened first (the dtypes are
+    # named here, not at import: torch is imported lazily, only when a command computes)
+    if t.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
         return bool(torch.isfinite(t.to(torch.float32)).all())
     return math.isfinite(float(t.sum())) or bool(torch.isfinite(t).all())
-
-
-#: Dtypes whose sum torch computes natively (float8 values are widened to float32 first).
-_SUMMABLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def cast_out(t: torch.Tensor, out_dtype: str, name: str = "") -> torch.Tensor:
