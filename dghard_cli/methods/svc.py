@@ -60,6 +60,7 @@ from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
+from dghard_cli.methods.low_rank import numerical_rank
 from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
 from dghard_cli.methods.subspace_svd import svd64
 from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows
@@ -341,10 +342,7 @@ class CalibratedOp:
         small = min(rows, job.shape[1])
         # the directions above the Gram route's floor, as its record counts them (the others hold
         # rounding: their γ is as arbitrary as their direction)
-        lam = sigma * sigma
-        rank = (
-            int(torch.count_nonzero(lam > GRAM_FLOOR * small * EPS64 * float(lam[0]))) if lam.numel() else 0
-        )
+        rank = numerical_rank(sigma.cpu().numpy(), small)
         rec["svc"].update(
             {
                 "route": SVD_ROUTE,
