@@ -84,7 +84,7 @@ def test_wudi_matches_gradient_descent(tmp_path, models, kw, ref_kw):
     assert_close(got, reference(models["B"], models["F"], **ref_kw), models["B"])
     recs = {r["name"]: r for r in doc["tensors"]}
     for name in ("model.layers.0.mlp.up_proj.weight", "model.layers.0.mlp.down_proj.weight"):
-        r = recs[name]  # tall, then wide (its T·m Gram)
+        r = recs[name]  # tall, then wide (48 × 100, T·m = 144: its 100 × 100 Gram, the row form)
         assert (
             r["merge_rule"] == "wudi" and r["route"] == "gram-float64" and r["steps"] == kw.get("steps", 300)
         )
@@ -118,6 +118,32 @@ def test_thin_matrices(tmp_path):
     _, got = run(base, fts, tmp_path / "o", "wudi", policy=_policy(min_numel=0))
     b, f = as64(load_dir(base)), [as64(load_dir(x)) for x in fts]
     assert_close(got, reference(b, f), b)
+
+
+def test_a_wide_matrix_takes_the_smaller_of_its_two_forms(tmp_path, models, monkeypatch):
+    """A wide m × n matrix is filtered through its n × n Gram (read in row blocks) when n ≤ T·m and
+    through the T·m × T·m cross products otherwise: the eigensolver's cube of the smaller order
+    (SmolLM2's 576 × 1536 ``down_proj`` with 4 fine-tunes: 1536 instead of 2304). Both forms
+    equal the reference on the same matrices (the cross form forced on the row form's)."""
+    from dghard_cli.methods import wudi
+
+    assert wudi.row_form(576, 1536, 4) and wudi.gram_order(576, 1536, 4) == 1536
+    assert not wudi.row_form(896, 4864, 3) and wudi.gram_order(896, 4864, 3) == 2688
+    assert wudi.row_form(1536, 576, 1) and wudi.row_form(48, 100, 3) and not wudi.row_form(2, 300, 3)
+    assert wudi.working_bytes(48, 100, 3) == 12 * 8 * 100 * 100
+    ref = reference(models["B"], models["F"], steps=40)
+    name = "model.layers.0.mlp.down_proj.weight"
+    doc, got = run(
+        models["base"], models["fts"], tmp_path / "rows", "wudi", steps=40, block_bytes=8 * 100 * 7
+    )
+    assert_close(got, ref, models["B"])
+    bound = next(r["error_bound"] for r in doc["tensors"] if r["name"] == name)
+    assert bound == pytest.approx(wudi.error_bound(100, 40), rel=1e-3)  # the order of the form taken
+    monkeypatch.setattr(wudi, "row_form", lambda r, c, t: r >= c)
+    doc, got = run(models["base"], models["fts"], tmp_path / "cross", "wudi", steps=40)
+    assert_close(got, ref, models["B"])
+    bound = next(r["error_bound"] for r in doc["tensors"] if r["name"] == name)
+    assert bound == pytest.approx(wudi.error_bound(144, 40), rel=1e-3)
 
 
 def test_layer_strengths_compose(tmp_path, models):

@@ -173,17 +173,28 @@ class TallBlocks:
 
     A tall matrix (m ≥ n) is read in row blocks (from disk when it was not prefetched); a wide
     one is read whole once per pass and split into column blocks (rows of its tall form). All
-    blocks of one step together are about ``block_bytes`` of float64.
+    blocks of one step together are about ``block_bytes`` of float64. ``row_form``: a wide matrix
+    read in row blocks as if tall (``X = Δ``, its Gram matrices n × n, the larger side), for a
+    method whose formula has the same value in either form and is cheaper there.
     """
 
-    def __init__(self, job: TensorJob, src: JobInputs, device: torch.device, block_bytes: int) -> None:
+    def __init__(
+        self,
+        job: TensorJob,
+        src: JobInputs,
+        device: torch.device,
+        block_bytes: int,
+        *,
+        row_form: bool = False,
+    ) -> None:
         self.job, self.src, self.device = job, src, device
         self.rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
         self.cols = job.shape[1]
-        self.tall = self.rows >= self.cols
+        self.tall = row_form or self.rows >= self.cols
         self.n = len(job.fts)
         self.shape = (self.rows, self.cols)
-        self.big, self.small = max(self.shape), min(self.shape)
+        #: the tall form's rows N and columns M (M is the Gram matrices' order)
+        self.big, self.small = (self.rows, self.cols) if self.tall else (self.cols, self.rows)
         self.step = block_rows(self.small, max(1, block_bytes // (self.n + 2)))
         #: fine-tunes that are LoRA adapters, read as BASE + B·A computed in float32
         self.computed = [isinstance(info, ComputedTensorInfo) for info in job.fts]
