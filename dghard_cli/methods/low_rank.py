@@ -82,7 +82,7 @@ from dghard_cli.methods.subspace import (
 )
 from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
 from dghard_cli.methods.subspace_svd import SvdResult, svd64
-from dghard_cli.spectral.routes import GRAM_FLOOR, gram_add_
+from dghard_cli.spectral.routes import GRAM_FLOOR, gram_add_, gram_growth
 from dghard_cli.spectral.spectrum import ROUTE as GRAM_ROUTE
 from dghard_cli.spectral.spectrum import Spectrum
 
@@ -228,11 +228,11 @@ def gram_cut(
     numerical rank, the same cut with ties extended; ``rescale``: STAR's factor ``Σσ/Σ_{j≤r}σ``;
     ``eta``: STAR's cut is at η % of the sum (checked against the sums' error).
 
-    The Gram matrix is known to E ≈ ε·λ_ref, so an eigenvalue to ε·λ_ref, a σ to ε·λ_ref/(2σ),
-    and the kept subspace mixes with a dropped direction by E/(λ_r − λ_{r+1}); in X·V_r·V_rᵀ that
-    moves the result by ε·σ_ref·σ_r/(λ_r − λ_{r+1}) relative to σ_ref (rotations within the kept
+    The Gram matrix of N rows is known to E ≈ √N·ε·λ_ref (:func:`gram_growth`), so an eigenvalue
+    to E, a σ to E/(2σ), and the kept subspace mixes with a dropped direction by E/(λ_r − λ_{r+1});
+    in X·V_r·V_rᵀ that moves the result by √N·ε·σ_ref·σ_r/(λ_r − λ_{r+1}) relative to σ_ref (rotations within the kept
     subspace cancel). The amplification (the error bound over ε) is the largest of that and, for
-    STAR, the sums' relative error; plus, for each eigenvalue within ``M·ε·λ_ref`` of the floor
+    STAR, the sums' relative error; plus, for each eigenvalue within ``(M + √N)·ε·λ_ref`` of the floor
     (decided either way by rounding), its σ relative to σ_ref. It is inf where the tie extension
     or STAR's η-crossing lies within the route's error of its threshold."""
     sig_all = spec.sigma
@@ -241,9 +241,11 @@ def gram_cut(
     floor = GRAM_FLOOR * small * EPS64 * lam_ref
     rank = int(np.count_nonzero(sig_all > 0))
     sig = sig_all[:rank]
-    err_lam = EPS64 * lam_ref  # an eigenvalue's error on this route
+    grow = gram_growth(max(spec.shape))
+    err_lam = grow * EPS64 * lam_ref  # an eigenvalue's error on this route
     # components at the floor: included or not by rounding; each moves the result by its σ
-    n_edge = int(np.count_nonzero(np.abs(lam_raw - floor) <= small * err_lam))
+    # (within the eigensolver's M·ε·λ_ref plus the Gram's √N·ε·λ_ref of it)
+    n_edge = int(np.count_nonzero(np.abs(lam_raw - floor) <= (small + grow) * EPS64 * lam_ref))
     edge = n_edge * math.sqrt(floor / lam_ref) if lam_ref > 0 else 0.0
     if not rank:
         empty = torch.zeros((small, 0), dtype=torch.float64, device=dev)
@@ -259,7 +261,7 @@ def gram_cut(
             amp = math.inf
     lam = sig**2
     gap = lam[r - 1] - (lam[r] if r < rank else 0.0)
-    amp = max(amp, math.sqrt(lam_ref) * float(sig[r - 1]) / gap if gap > 0 else math.inf)
+    amp = max(amp, grow * math.sqrt(lam_ref) * float(sig[r - 1]) / gap if gap > 0 else math.inf)
     scale = 1.0
     if rescale:
         total, part = float(sig.sum()), float(sig[:r].sum())

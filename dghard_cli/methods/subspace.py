@@ -55,7 +55,7 @@ from dghard_cli.lora.view import ComputedTensorInfo
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
 from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
 from dghard_cli.methods.subspace_svd import SvdResult, svd_route_bytes
-from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows, gram_add_, spectrum_from_gram
+from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows, gram_add_, gram_growth, spectrum_from_gram
 from dghard_cli.spectral.spectrum import ROUNDING_STD_FACTOR, ROUTE, Spectrum
 
 EPS64 = 2.0**-52  # float64 machine epsilon (np.finfo(np.float64).eps)
@@ -391,7 +391,7 @@ class SubspaceMergeOp:
                 raise
             yield from kept_nonfinite(job, src, rec)
             return
-        bound = EPS64 * res.amplification
+        bound = EPS64 * gram_growth(blocks.big) * res.amplification
         written = job.final_dtype or job.out_dtype  # a schedule's wide intermediate is not what is written
         tol = tolerance(written)
         rec.update(

@@ -63,7 +63,7 @@ from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
 from dghard_cli.methods.low_rank import numerical_rank
 from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
 from dghard_cli.methods.subspace_svd import svd64
-from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows
+from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows, gram_growth
 from dghard_cli.spectral.spectrum import ROUTE as GRAM_ROUTE
 
 #: The default floor of the overshoot ratios (the paper's README and FusionBench's configurations
@@ -168,7 +168,7 @@ def gram_calibration(
     sigma = lr.sqrt()
     c = clusters(sigma, unit)
     n_c = int(c[-1]) + 1
-    grow = math.sqrt(max(rows, 1))
+    grow = gram_growth(rows)
     e_g = grow * EPS64 * lam_max  # G's error, and each eigenvalue's
     sig_max = math.sqrt(lam_max)
     # every direction's σ (at the floor: as large as it could be), and the couplings c_rj
