@@ -72,6 +72,8 @@ def test_streamed_selection_is_the_exact_top_k(kind, cap):
             assert s.threshold == float(whole.threshold)
         bits_passes = 2 if mag.dtype == torch.float32 else 4
         assert passes <= bits_passes + (1 if cap >= n else 4)
+        if cap >= n:  # the threshold's bucket gathered whole: its ties settled without a pass
+            assert passes <= 2, (kind, trial, passes)
 
 
 def test_ties_at_the_threshold_take_exact_order_then_row_major():

@@ -352,12 +352,16 @@ class ElementwiseMergeOp:
         self.whole_bytes = max(whole_bytes, block_bytes)
 
     def _read(self, job: TensorJob, src: JobInputs, key: str, rows, wd: torch.dtype) -> torch.Tensor:
+        return self._raw(job, src, key, rows).to(device=self.device, dtype=wd)
+
+    @staticmethod
+    def _raw(job: TensorJob, src: JobInputs, key: str, rows) -> torch.Tensor:
+        """One block of an input as stored (its dtype, on the CPU)."""
         if isinstance(rows, Span):  # a piece of the flattened tensor
-            return src.flat(key, (rows.start, rows.stop)).to(device=self.device, dtype=wd)
+            return src.flat(key, (rows.start, rows.stop))
         full = rows is None and job.shared_rows is not None
         r = (0, job.shared_rows) if full else rows
-        t = src.base(r) if key == "base" else src.ft(int(key[2:]), r)
-        return t.to(device=self.device, dtype=wd)
+        return src.base(r) if key == "base" else src.ft(int(key[2:]), r)
 
     @staticmethod
     def _exact(job: TensorJob, src: JobInputs, i: int) -> T.ExactMagnitudes:
@@ -385,12 +389,14 @@ class ElementwiseMergeOp:
     def _block_exact(
         self, job: TensorJob, src: JobInputs, rows, b: torch.Tensor, wd: torch.dtype
     ) -> BlockExact:
-        """|W_i − W_base| in float64 at flat positions of this block (re-reads W_i's block)."""
+        """|W_i − W_base| in float64 at flat positions of this block (W_i's block as stored: only
+        the asked entries are converted)."""
         bf = b.reshape(-1)
 
         def exact(i: int, pos: torch.Tensor) -> torch.Tensor:
-            f = self._read(job, src, f"ft{i}", rows, wd).reshape(-1)
-            return (f[pos].to(torch.float64) - bf[pos].to(torch.float64)).abs()
+            f = self._raw(job, src, f"ft{i}", rows).reshape(-1)
+            f_at = f[pos.to(f.device)].to(device=bf.device, dtype=torch.float64)
+            return (f_at - bf[pos].to(torch.float64)).abs()
 
         return exact
 

@@ -8,14 +8,17 @@ tensor-sized buffer:
 1. **Radix passes on the rounded magnitude.** The bit pattern of a non-negative IEEE number
    orders like its value, so the k-th largest magnitude ``T`` (in the work dtype) is found 16
    bits at a time: pass 1 counts the top 16 bits of every entry (``bincount``), which fixes
-   the top 16 bits of ``T`` and how many entries lie above that bucket; pass 2 counts the next
-   16 bits of the entries in that bucket; and so on (2 passes for float32, 4 for float64).
+   the top 16 bits of ``T`` and how many entries lie above that bucket. When that bucket holds
+   at most ``cap`` entries, pass 2 gathers their keys and exact magnitudes, and ``T`` and its
+   ties are settled from them (2 passes in all, the common case); otherwise pass 2 counts the
+   next 16 bits of the entries in the bucket, and so on (2 passes for float32, 4 for float64).
    Then ``above`` (entries > T) and ``equal`` (entries == T) are known exactly, and
    ``r = k − above`` of the equal ones must be kept.
 2. **Ties at T** (only when ``r < equal``). The order is the one :func:`select_topk` uses:
    larger exact magnitude first (``|W_i − W_base|`` in float64, given per block by a callback),
-   then row-major position. One more pass gathers the exact magnitudes of the equal entries
-   when there are at most ``cap`` of them and picks their r-th largest ``T64``; otherwise the
+   then row-major position. The bucket's gathered exact magnitudes give the r-th largest
+   ``T64`` of the equal entries at once; after the radix passes, one more pass gathers the
+   exact magnitudes of the equal entries when there are at most ``cap`` of them; otherwise the
    same radix passes run on the float64 bit patterns of those entries (4 more passes). Either
    way ``above64`` (equal entries exactly above T64) is known, and the first
    ``r − above64`` entries equal to T with exact magnitude T64, in row-major order, complete
@@ -111,6 +114,8 @@ class StreamingTopK:
         self._value = _Radix(bits, self.k)
         self._exact: _Radix | None = None  # radix on the exact magnitudes of the entries at T
         self._gather: list[torch.Tensor] | None = None
+        #: the k-th largest's top-16-bit bucket: its entries' keys and exact magnitudes
+        self._bucket: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.stage = "value" if 0 < self.k < numel else "done"
         self.threshold_key = 0
         self.above = numel if self.k == numel else 0
@@ -138,6 +143,14 @@ class StreamingTopK:
         if self.stage == "value":
             self._value.observe(keys, owned=owned)
             return
+        if self.stage == "bucket":
+            v = self._value
+            in_bucket = torch.nonzero((keys >> (v.bits - _LEVEL_BITS)) == v.prefix).reshape(-1)
+            if in_bucket.numel():
+                assert self._bucket is not None
+                self._bucket[0].append(keys[in_bucket].cpu())
+                self._bucket[1].append(exact(in_bucket).to(torch.float64).cpu())
+            return
         at_t = torch.nonzero(keys == self.threshold_key).reshape(-1)
         if at_t.numel() == 0:
             return
@@ -153,35 +166,34 @@ class StreamingTopK:
         if self.stage == "value":
             v = self._value
             v.end_pass()
+            if v.level == 1 and not v.done and v.equal <= self.cap:
+                self._bucket = ([], [])  # the k-th largest's bucket is small: gather it whole
+                self.stage = "bucket"
+                return
             if not v.done:
                 return
-            self.threshold_key = v.prefix
-            self.above, self.equal, self._r = v.above, v.equal, v.need
-            if self._r >= self.equal:  # every entry at T is kept: no tie to break
-                self._t64 = None
-                self.stage = "done"
-            elif self.threshold_key == 0:  # ties at zero: all exactly 0, row-major order decides
-                self._t64, self._left, self._zero_ties = 0.0, self._r, True
-                self.stage = "done"
-            elif self.equal <= self.cap:
-                self._gather = []
-                self.stage = "gather"
-            else:
-                self._exact = _Radix(64, self._r)
-                self.stage = "exact"
+            self._settle(v.prefix, v.above, v.equal, v.need, None)
+            return
+        if self.stage == "bucket":
+            assert self._bucket is not None
+            v = self._value
+            keys = torch.cat(self._bucket[0]) if self._bucket[0] else torch.zeros(0, dtype=self.int_dtype)
+            ex = torch.cat(self._bucket[1]) if self._bucket[1] else torch.zeros(0, dtype=torch.float64)
+            self._bucket = None
+            if keys.numel() == 0:  # only with non-finite input (refused later)
+                self._settle(v.prefix << (v.bits - _LEVEL_BITS), v.above, 0, v.need, ex)
+                return
+            need = min(max(v.need, 1), keys.numel())
+            t = torch.kthvalue(keys, keys.numel() - need + 1).values
+            above = int(torch.count_nonzero(keys > t))
+            at_t = keys == t
+            self._settle(int(t), v.above + above, int(torch.count_nonzero(at_t)), v.need - above, ex[at_t])
             return
         if self.stage == "gather":
             assert self._gather is not None
             ex = torch.cat(self._gather) if self._gather else torch.zeros(0, dtype=torch.float64)
             self._gather = None
-            r = min(max(self._r, 1), max(ex.numel(), 1))
-            if ex.numel() == 0:  # only with non-finite input (refused later)
-                self._t64, self._left = float("inf"), 0
-            else:
-                t64 = torch.kthvalue(ex, ex.numel() - r + 1).values
-                self._t64 = float(t64)
-                self._left = r - int(torch.count_nonzero(ex > t64))
-            self.stage = "done"
+            self._break_ties(ex)
             return
         if self.stage == "exact":
             e = self._exact
@@ -191,6 +203,38 @@ class StreamingTopK:
                 self._t64 = float(torch.tensor(e.prefix, dtype=torch.int64).view(torch.float64))
                 self._left = e.need
                 self.stage = "done"
+
+    def _settle(self, key: int, above: int, equal: int, r: int, tied: torch.Tensor | None) -> None:
+        """``T`` (its key), the entries above and at it and how many of those to keep; ``tied``:
+        the exact magnitudes of every entry at T when they are known (the bucket's)."""
+        self.threshold_key = key
+        self.above, self.equal, self._r = above, equal, r
+        if self._r >= self.equal:  # every entry at T is kept: no tie to break
+            self._t64 = None
+            self.stage = "done"
+        elif self.threshold_key == 0:  # ties at zero: all exactly 0, row-major order decides
+            self._t64, self._left, self._zero_ties = 0.0, self._r, True
+            self.stage = "done"
+        elif tied is not None:
+            self._break_ties(tied)
+        elif self.equal <= self.cap:
+            self._gather = []
+            self.stage = "gather"
+        else:
+            self._exact = _Radix(64, self._r)
+            self.stage = "exact"
+
+    def _break_ties(self, ex: torch.Tensor) -> None:
+        """``T64``, the r-th largest exact magnitude of the entries at T (``ex``), and how many
+        entries at (T, T64) are still to keep in row-major order."""
+        r = min(max(self._r, 1), max(ex.numel(), 1))
+        if ex.numel() == 0:  # only with non-finite input (refused later)
+            self._t64, self._left = float("inf"), 0
+        else:
+            t64 = torch.kthvalue(ex, ex.numel() - r + 1).values
+            self._t64 = float(t64)
+            self._left = r - int(torch.count_nonzero(ex > t64))
+        self.stage = "done"
 
     # -- the selection -------------------------------------------------------------------
 
