@@ -51,7 +51,7 @@ def per_ft(value: float | Sequence[float], n: int) -> list[float]:
 #: TIES works on a whole tensor at once (one pass selects and trims) when all its work copies
 #: fit in this; larger tensors are selected by statistics passes over row blocks, then trimmed
 #: block by block (peak memory: a few blocks, not a few copies of the tensor).
-WHOLE_BYTES = 64 * 1024 * 1024
+WHOLE_BYTES = 128 * 1024 * 1024
 #: Elements read at once when TIES ranks the entries tied at its threshold by exact magnitude.
 EXACT_SPAN = 1 << 22
 
