@@ -104,6 +104,12 @@ def numerical_rank(sig: np.ndarray, small: int, reference: float | None = None) 
     return int(np.count_nonzero(sig**2 > GRAM_FLOOR * small * EPS64 * top**2))
 
 
+def report_bound(b: float) -> float | None:
+    """An error bound as the report writes it: 4 significant digits, None where infinite (a
+    decision within the route's rounding)."""
+    return float(f"{b:.4g}") if math.isfinite(b) else None
+
+
 def cut_with_ties(sig: np.ndarray, r: int, rank: int, unit: float) -> int:
     """``r`` extended over the singular values within ``ε·σ_max/unit`` of ``sig[r−1]`` (values
     the output dtype cannot tell apart from the last one kept), at most ``rank``."""
@@ -448,7 +454,7 @@ class LowRankMergeOp:
                 "route": SVD_ROUTE,
                 "kept_directions": res.rank,
                 "error_bound": float(f"{EPS64 * res.kappa:.4g}"),
-                "gram_error_bound": float(f"{bound:.4g}") if math.isfinite(bound) else None,
+                "gram_error_bound": report_bound(bound),
                 **res.stats,
             }
         )

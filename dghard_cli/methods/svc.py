@@ -60,7 +60,7 @@ from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
-from dghard_cli.methods.low_rank import numerical_rank
+from dghard_cli.methods.low_rank import numerical_rank, report_bound
 from dghard_cli.methods.subspace_svd import ROUTE as SVD_ROUTE
 from dghard_cli.methods.subspace_svd import svd64
 from dghard_cli.spectral.routes import GRAM_FLOOR, block_rows, gram_growth
@@ -301,7 +301,7 @@ class CalibratedOp:
         tall = _TallForm(job, src, merged, rows, self.device, self.block_bytes)
         cal = tall.calibration(self.alpha, unit)
         rec["svc"] = {"route": GRAM_ROUTE, "rank": cal.rank, **_gamma_range(cal.gamma)}
-        rec["svc"]["error_bound"] = _bound(cal.bound)
+        rec["svc"]["error_bound"] = report_bound(cal.bound)
         if cal.bound <= unit:
             yield from tall.output(cal.kernel)
         else:
@@ -348,8 +348,8 @@ class CalibratedOp:
                 "route": SVD_ROUTE,
                 "rank": rank,
                 **_gamma_range(gamma[:rank]),
-                "error_bound": _bound(ROUNDING * small * EPS64),
-                "gram_error_bound": _bound(bound),
+                "error_bound": report_bound(ROUNDING * small * EPS64),
+                "gram_error_bound": report_bound(bound),
             }
         )
         return cast_out(out.cpu(), job.out_dtype, job.name)
@@ -445,11 +445,6 @@ def _check_finite(out: torch.Tensor, job: TensorJob) -> None:
         raise InputError(
             f"tensor {job.name!r}: the calibrated update overflows float64; {strength_hint(out.dtype)}"
         )
-
-
-def _bound(b: float) -> float | None:
-    """A bound for the report (None where infinite: a decision within the rounding)."""
-    return float(f"{b:.4g}") if math.isfinite(b) else None
 
 
 def _gamma_range(gamma: torch.Tensor) -> dict:
