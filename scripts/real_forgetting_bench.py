@@ -564,7 +564,7 @@ def cmd_table(args: argparse.Namespace) -> int:
         t0 = time.time()
         res = dghard_cmd(
             ["sweep", str(base), str(ft), str(out), "--eval", tmpl, "--budget", str(n), "--json"]
-            + ["--objective", args.objective],
+            + ["--objective", args.objective, "--jobs", str(args.sweep_jobs)],
             True,
         )
         doc = json.loads(res.stdout)
@@ -681,6 +681,13 @@ def bench_parser(doc: str, budgets: str, rows: str = "rows") -> tuple[argparse.A
         default="hm",
         choices=("hm", "retention", "normalised-accuracy"),
         help="the sweeps' --objective (default hm; another one names the row sweep-N-OBJECTIVE)",
+    )
+    t.add_argument(
+        "--sweep-jobs",
+        type=int,
+        default=1,
+        help="the sweeps' --jobs: candidates written and evaluated at a time (their evaluated set "
+        "and winner do not depend on it)",
     )
     t.add_argument(
         "--only",

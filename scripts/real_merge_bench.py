@@ -550,7 +550,7 @@ class Table:
         finally:
             shutil.rmtree(self.cand, ignore_errors=True)
 
-    def sweep(self, budget: int, objective: str = "hm") -> dict:
+    def sweep(self, budget: int, objective: str = "hm", jobs: int = 1) -> dict:
         name = rfb.sweep_name(budget, objective)
         rep = self.res_dir / f"{name}.sweep.json"
         if rep.exists():
@@ -564,7 +564,7 @@ class Table:
         for e in self.experts[1:]:
             argv += ["--merge-ft", str(e)]
         argv += ["--eval", tmpl, "--budget", str(budget), "--units", "points", "--json", "--dtype", "bf16"]
-        argv += ["--objective", objective]
+        argv += ["--objective", objective, "--jobs", str(jobs)]
         argv += ["--base-results", str(self.res_dir / "BASE.val.json")]
         for t in TASKS:
             argv += ["--ft-results", str(self.res_dir / f"expert-{t}.val.json")]
@@ -638,7 +638,9 @@ def cmd_table(args: argparse.Namespace) -> int:
         tb.run(c, "test")
         print(f"[table] test {i}/{len(chosen)} {c.name} ({time.time() - t0:.0f} s)", flush=True)
     budgets = [int(b) for b in args.budgets.split(",") if b.strip()]
-    sweeps = {rfb.sweep_name(n, args.objective): tb.sweep(n, args.objective) for n in budgets}
+    sweeps = {
+        rfb.sweep_name(n, args.objective): tb.sweep(n, args.objective, args.sweep_jobs) for n in budgets
+    }
     print_table(tb, fams, best, sweeps)
     ev, wr = tb.times["eval"], tb.times["write"]
     print()
