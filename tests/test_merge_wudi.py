@@ -131,6 +131,9 @@ def test_a_wide_matrix_takes_the_smaller_of_its_two_forms(tmp_path, models, monk
     assert not wudi.row_form(896, 4864, 3) and wudi.gram_order(896, 4864, 3) == 2688
     assert wudi.row_form(1536, 576, 1) and wudi.row_form(48, 100, 3) and not wudi.row_form(2, 300, 3)
     assert wudi.working_bytes(48, 100, 3) == 12 * 8 * 100 * 100
+    # never a larger working set: 896 × 4864 with 6 fine-tunes (T·m = 5376) has 6 Gram matrices of
+    # 4864² (2.84 GB) against one 5376² (2.50 GB): the cross form, as before
+    assert not wudi.row_form(896, 4864, 6) and wudi.working_bytes(896, 4864, 6) < 15 * 8 * 4864**2
     ref = reference(models["B"], models["F"], steps=40)
     name = "model.layers.0.mlp.down_proj.weight"
     doc, got = run(
@@ -138,12 +141,12 @@ def test_a_wide_matrix_takes_the_smaller_of_its_two_forms(tmp_path, models, monk
     )
     assert_close(got, ref, models["B"])
     bound = next(r["error_bound"] for r in doc["tensors"] if r["name"] == name)
-    assert bound == pytest.approx(wudi.error_bound(100, 40), rel=1e-3)  # the order of the form taken
+    assert bound == pytest.approx(wudi.error_bound(100 + 48**0.5, 40), rel=1e-3)  # M + √N of the form taken
     monkeypatch.setattr(wudi, "row_form", lambda r, c, t: r >= c)
     doc, got = run(models["base"], models["fts"], tmp_path / "cross", "wudi", steps=40)
     assert_close(got, ref, models["B"])
     bound = next(r["error_bound"] for r in doc["tensors"] if r["name"] == name)
-    assert bound == pytest.approx(wudi.error_bound(144, 40), rel=1e-3)
+    assert bound == pytest.approx(wudi.error_bound(144 + 100**0.5, 40), rel=1e-3)
 
 
 def test_layer_strengths_compose(tmp_path, models):

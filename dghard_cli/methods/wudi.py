@@ -43,9 +43,10 @@ bytes (row form), 9·8·(T·m)² + the matrix read whole (cross form); checked b
 written.
 
 Accuracy: e and f are polynomials of degree k in A/λ_max; the eigendecomposition's backward
-error (about M·ε·λ_max) moves them by at most their slope times it, k/λ_max for e and
-k²/(2·λ_max²) for f, so the update's relative error is below ``ε·M·(k + k²/2)``, recorded per
-matrix as ``error_bound`` (ε = 2⁻⁵², M the Gram's order). A bound above the output's resolution
+error (about M·ε·λ_max) and the float64 Gram's rounding (about √N·ε·λ_max over its N rows) move
+them by at most their slope times it, k/λ_max for e and k²/(2·λ_max²) for f, so the update's
+relative error is below ``ε·(M + √N)·(k + k²/2)``, recorded per matrix as ``error_bound``
+(ε = 2⁻⁵², M the Gram's order, N the rows it sums over). A bound above the output's resolution
 is refused before anything is written, naming a smaller ``--steps``.
 
 A zero task vector has no interference to undo (the reference divides 0 by 0): its term is left
@@ -74,7 +75,7 @@ from dghard_cli.methods.subspace import (
     matrix_rule,
     tolerance,
 )
-from dghard_cli.spectral.routes import gram_add_
+from dghard_cli.spectral.routes import gram_add_, gram_growth
 
 EPS64 = 2.0**-52
 WUDI_STEPS = 300
@@ -100,9 +101,10 @@ def gd_filters(lam: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tenso
     return e, f
 
 
-def error_bound(order: int, steps: int) -> float:
-    """The relative error bound of the filtered update (see the module docstring)."""
-    return EPS64 * order * (steps + steps * steps / 2.0)
+def error_bound(scale: float, steps: int) -> float:
+    """The relative error bound of the filtered update (see the module docstring; ``scale``:
+    :func:`bound_scale`)."""
+    return EPS64 * scale * (steps + steps * steps / 2.0)
 
 
 def _filtered(
@@ -182,9 +184,21 @@ def wide_kernels(
 
 def row_form(rows: int, cols: int, n_fts: int) -> bool:
     """Whether a rows × cols matrix is computed from its n × n Gram matrices (read in row blocks)
-    rather than from the T·m × T·m cross products of a wide matrix: when n ≤ T·m, the smaller
-    eigenproblem (a tall matrix always, T ≥ 1)."""
-    return cols <= max(rows, n_fts * rows)
+    rather than from the T·m × T·m cross products of a wide matrix: a tall matrix always; a wide
+    one when n ≤ T·m (the smaller eigenproblem) and its working set is no larger (n close to T·m
+    with many fine-tunes: T Gram matrices of n × n outweigh one T·m × T·m matrix)."""
+    if rows >= cols:
+        return True
+    return cols <= n_fts * rows and _row_bytes(cols, n_fts) <= _cross_bytes(rows, cols, n_fts)
+
+
+def bound_scale(rows: int, cols: int, n_fts: int) -> float:
+    """``M + √N`` of the form taken: the eigendecomposition's backward error (about M·ε·λ_max, M
+    the order) plus the float64 Gram's rounding (:func:`~dghard_cli.spectral.routes.gram_growth`
+    of the N rows it sums over: the matrix's rows in the row form, its columns in the cross form)."""
+    if row_form(rows, cols, n_fts):
+        return cols + gram_growth(rows)
+    return n_fts * rows + gram_growth(cols)
 
 
 def gram_order(rows: int, cols: int, n_fts: int) -> int:
@@ -199,8 +213,14 @@ def working_bytes(rows: int, cols: int, n_fts: int) -> int:
     T·m × T·m matrix, its eigenvectors, e, f, their products and the workspace (72 MB measured
     for T·m = 1000), its cross products and kernels, and the matrix read whole (base and fine-tunes,
     up to float64)."""
-    if row_form(rows, cols, n_fts):
-        return (n_fts + 9) * 8 * cols * cols
+    return _row_bytes(cols, n_fts) if row_form(rows, cols, n_fts) else _cross_bytes(rows, cols, n_fts)
+
+
+def _row_bytes(cols: int, n_fts: int) -> int:
+    return (n_fts + 9) * 8 * cols * cols
+
+
+def _cross_bytes(rows: int, cols: int, n_fts: int) -> int:
     tm = n_fts * rows
     return (
         9 * 8 * tm * tm + (n_fts * (n_fts + 1) // 2 + n_fts) * 8 * rows * rows + (n_fts + 1) * 8 * rows * cols
@@ -265,6 +285,7 @@ class WudiMergeOp:
         else:
             kernels, stats = wide_kernels(grams, blocks.n, self.steps)
             order = blocks.n * blocks.small
+        scale = order + gram_growth(blocks.big)  # = bound_scale(rows, cols, T)
         del grams
         if self.alpha != 1.0:
             for k in kernels:
@@ -276,7 +297,7 @@ class WudiMergeOp:
                 "steps": self.steps,
                 "lambda_max": float(f"{stats['lambda_max']:.6g}"),
                 "converged_share": round(stats["converged_share"], 6),
-                "error_bound": float(f"{error_bound(order, self.steps):.4g}"),
+                "error_bound": float(f"{error_bound(scale, self.steps):.4g}"),
             }
         )
 
@@ -319,7 +340,7 @@ def check_plan(p: dict, jobs: Sequence[TensorJob], n_fts: int, policy: Any, devi
         if not (job.runs_method and len(job.shape) == 2 and is_matrix(job)):
             continue
         rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
-        order = gram_order(rows, job.shape[1], n_fts)
+        order = bound_scale(rows, job.shape[1], n_fts)
         tol = tolerance(job.final_dtype or job.out_dtype)
         if worst is None or order / tol > worst[0] / worst[1]:
             worst = (order, tol, job, rows)
