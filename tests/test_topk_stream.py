@@ -72,7 +72,7 @@ def test_streamed_selection_is_the_exact_top_k(kind, cap):
             assert s.threshold == float(whole.threshold)
         bits_passes = 2 if mag.dtype == torch.float32 else 4
         assert passes <= bits_passes + (1 if cap >= n else 4)
-        if cap >= n:  # the threshold's bucket gathered whole: its ties settled without a pass
+        if cap >= 2 * n and s.threshold > 0:  # the threshold's bucket gathered whole: 2 passes
             assert passes <= 2, (kind, trial, passes)
 
 
@@ -122,8 +122,9 @@ def test_ties_at_zero_need_no_exact_magnitude(dtype, k):
     def no_exact(pos):
         raise AssertionError("an exact magnitude was asked for a tie at zero")
 
-    for cuts in ([0, n], [0, 7, 300, 301, 999, n]):
-        s = StreamingTopK(n, k, dtype, cap=0)
+    caps = [0] if k < 30 else [0, 1 << 22]  # (k = 1: T is the largest change, not a tie at zero)
+    for cap, cuts in [(c, cuts) for c in caps for cuts in ([0, n], [0, 7, 300, 301, 999, n])]:
+        s = StreamingTopK(n, k, dtype, cap=cap)
         blocks = list(zip(cuts[:-1], cuts[1:], strict=True))
         while s.pending:
             for a, c in blocks:

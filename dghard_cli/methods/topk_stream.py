@@ -9,8 +9,9 @@ tensor-sized buffer:
    orders like its value, so the k-th largest magnitude ``T`` (in the work dtype) is found 16
    bits at a time: pass 1 counts the top 16 bits of every entry (``bincount``), which fixes
    the top 16 bits of ``T`` and how many entries lie above that bucket. When that bucket holds
-   at most ``cap`` entries, pass 2 gathers their keys and exact magnitudes, and ``T`` and its
-   ties are settled from them (2 passes in all, the common case); otherwise pass 2 counts the
+   at most ``cap / 2`` entries (and is not the one of zero), pass 2 gathers their keys and exact
+   magnitudes, and ``T`` and its ties are settled from them (2 passes in all, the common case);
+   otherwise pass 2 counts the
    next 16 bits of the entries in the bucket, and so on (2 passes for float32, 4 for float64).
    Then ``above`` (entries > T) and ``equal`` (entries == T) are known exactly, and
    ``r = k − above`` of the equal ones must be kept.
@@ -166,8 +167,11 @@ class StreamingTopK:
         if self.stage == "value":
             v = self._value
             v.end_pass()
-            if v.level == 1 and not v.done and v.equal <= self.cap:
-                self._bucket = ([], [])  # the k-th largest's bucket is small: gather it whole
+            if v.level == 1 and not v.done and v.prefix != 0 and v.equal <= self.cap // 2:
+                # the k-th largest's bucket is small: gather it whole (keys and exact magnitudes,
+                # at most cap·8 bytes as the ties' gather); not the bucket of zero, whose ties
+                # need no exact magnitude (an unchanged tensor's entries all sit there)
+                self._bucket = ([], [])
                 self.stage = "bucket"
                 return
             if not v.done:
