@@ -135,3 +135,16 @@ def test_ties_at_zero_need_no_exact_magnitude(dtype, k):
         assert s.kept == k
     sel = ties_mod.select_topk(mag, k, no_exact)
     np.testing.assert_array_equal(ties_mod.selection_mask(mag, sel).numpy(), want)
+
+
+@pytest.mark.parametrize("dtype,shift", [(torch.int16, 0), (torch.int32, 16), (torch.int64, 48)])
+def test_in_bucket_matches_the_shifted_keys_up_to_the_top_bucket(dtype, shift):
+    """The range compare that replaced ``keys >> shift == b`` picks the same positions, the top
+    bucket included (its upper end, ``(b + 1) << shift``, does not fit the key dtype)."""
+    top = torch.iinfo(dtype).max
+    rng = np.random.default_rng(5)
+    keys = torch.from_numpy(rng.integers(0, top, size=5000, dtype=np.int64, endpoint=True)).to(dtype)
+    keys[:3] = torch.tensor([0, top, top - 1], dtype=dtype)
+    for b in {0, 1, int(keys[7]) >> shift, top >> shift}:
+        want = np.flatnonzero(keys.numpy().astype(np.int64) >> shift == b)
+        np.testing.assert_array_equal(ties_mod.in_bucket(keys, shift, b).numpy(), want)

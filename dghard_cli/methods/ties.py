@@ -64,6 +64,16 @@ _BITS = {"float32": ("int32", 16), "float64": ("int64", 48)}  # by name: no torc
 _RADIX_CHUNK = 1 << 24
 
 
+def in_bucket(keys: torch.Tensor, shift: int, bucket: int) -> torch.Tensor:
+    """Flat positions of the non-negative integer ``keys`` with ``keys >> shift == bucket``: the
+    bit patterns in ``[bucket << shift, (bucket + 1) << shift)``, two compares and no shifted copy."""
+    lo, hi = bucket << shift, (bucket + 1) << shift
+    inside = keys >= lo
+    if hi <= torch.iinfo(keys.dtype).max:  # else the top bucket: no upper end
+        inside.logical_and_(keys < hi)
+    return torch.nonzero(inside.reshape(-1)).reshape(-1)
+
+
 def _kth_largest_candidates(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, int, torch.Tensor]:
     """(threshold, entries above it, flat positions equal to it) for the k-th largest of ``flat``.
 
@@ -88,7 +98,7 @@ def _kth_largest_candidates(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, i
     at_least = torch.flip(torch.cumsum(torch.flip(counts, [0]), 0), [0])  # entries in buckets >= b
     b = int(torch.nonzero(at_least >= k).reshape(-1)[-1])
     above_bucket = int(at_least[b + 1]) if b + 1 < at_least.numel() else 0
-    pos = torch.cat([torch.nonzero((ints[i0:i1] >> shift) == b).reshape(-1) + i0 for i0, i1 in spans])
+    pos = torch.cat([in_bucket(ints[i0:i1], shift, b) + i0 for i0, i1 in spans])
     cand = flat[pos]
     t = torch.kthvalue(cand, cand.numel() - (k - above_bucket) + 1).values
     above = above_bucket + int(torch.count_nonzero(cand > t))

@@ -42,6 +42,8 @@ from collections.abc import Callable
 
 import torch
 
+from dghard_cli.methods.ties import in_bucket as bucket_positions
+
 #: ``exact(positions) -> float64 magnitudes`` at flat positions *of the current block*.
 BlockExact = Callable[["torch.Tensor"], "torch.Tensor"]
 
@@ -146,7 +148,7 @@ class StreamingTopK:
             return
         if self.stage == "bucket":
             v = self._value
-            in_bucket = torch.nonzero((keys >> (v.bits - _LEVEL_BITS)) == v.prefix).reshape(-1)
+            in_bucket = bucket_positions(keys, v.bits - _LEVEL_BITS, v.prefix)
             if in_bucket.numel():
                 assert self._bucket is not None
                 self._bucket[0].append(keys[in_bucket].cpu())
