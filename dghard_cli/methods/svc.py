@@ -221,8 +221,7 @@ def gram_calibration(
         float(torch.linalg.matrix_norm(coup * sig_all[None, :] * (g_r[:, None] - g_all[None, :]))) / sig_max
     )
     edge = max(1.0, 1.0 / alpha - 1.0) * math.sqrt((floor + e_g) / lam_max) if rank < m else 0.0
-    # the final products' own rounding scales with the calibrated update, up to γ_max·σ_max (1/α)
-    bound = width + mixing + edge + ROUNDING * m * EPS64 * max(1.0, float(g_r.max()))
+    bound = width + mixing + edge + rounding_bound(m, g_r)
     # the cluster decisions: a gap within the σ's error of the threshold ε·σ_max/unit
     err_sig = e_g / (2.0 * sigma)
     near = ((sigma[:-1] - sigma[1:]) - EPS64 * float(sigma[0]) / unit).abs() <= err_sig[:-1] + err_sig[1:]
@@ -349,9 +348,7 @@ class CalibratedOp:
                 "route": SVD_ROUTE,
                 "rank": rank,
                 **_gamma_range(gamma[:rank]),
-                "error_bound": report_bound(
-                    ROUNDING * small * EPS64 * max(1.0, float(gamma.max()) if gamma.numel() else 1.0)
-                ),
+                "error_bound": report_bound(rounding_bound(small, gamma)),
                 "gram_error_bound": report_bound(bound),
             }
         )
@@ -448,6 +445,12 @@ def _check_finite(out: torch.Tensor, job: TensorJob) -> None:
         raise InputError(
             f"tensor {job.name!r}: the calibrated update overflows float64; {strength_hint(out.dtype)}"
         )
+
+
+def rounding_bound(order: int, gamma: torch.Tensor) -> float:
+    """Both routes' own rounding relative to σ_max: ``ROUNDING·M·ε`` of the calibrated update,
+    which is up to the largest γ (1/α) times the merged one."""
+    return ROUNDING * order * EPS64 * max(1.0, float(gamma.max()) if gamma.numel() else 1.0)
 
 
 def _gamma_range(gamma: torch.Tensor) -> dict:

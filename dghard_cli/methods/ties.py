@@ -64,14 +64,19 @@ _BITS = {"float32": ("int32", 16), "float64": ("int64", 48)}  # by name: no torc
 _RADIX_CHUNK = 1 << 24
 
 
-def in_bucket(keys: torch.Tensor, shift: int, bucket: int) -> torch.Tensor:
-    """Flat positions of the non-negative integer ``keys`` with ``keys >> shift == bucket``: the
-    bit patterns in ``[bucket << shift, (bucket + 1) << shift)``, two compares and no shifted copy."""
+def bucket_mask(keys: torch.Tensor, shift: int, bucket: int) -> torch.Tensor:
+    """Where the non-negative integer ``keys`` have ``keys >> shift == bucket``: the bit patterns
+    in ``[bucket << shift, (bucket + 1) << shift)``, two compares and no shifted copy."""
     lo, hi = bucket << shift, (bucket + 1) << shift
     inside = keys >= lo
     if hi <= torch.iinfo(keys.dtype).max:  # else the top bucket: no upper end
         inside.logical_and_(keys < hi)
-    return torch.nonzero(inside.reshape(-1)).reshape(-1)
+    return inside
+
+
+def in_bucket(keys: torch.Tensor, shift: int, bucket: int) -> torch.Tensor:
+    """Flat positions of :func:`bucket_mask`."""
+    return torch.nonzero(bucket_mask(keys, shift, bucket).reshape(-1)).reshape(-1)
 
 
 def _kth_largest_candidates(flat: torch.Tensor, k: int) -> tuple[torch.Tensor, int, torch.Tensor]:

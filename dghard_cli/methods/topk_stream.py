@@ -42,7 +42,7 @@ from collections.abc import Callable
 
 import torch
 
-from dghard_cli.methods.ties import in_bucket as bucket_positions
+from dghard_cli.methods.ties import bucket_mask, in_bucket
 
 #: ``exact(positions) -> float64 magnitudes`` at flat positions *of the current block*.
 BlockExact = Callable[["torch.Tensor"], "torch.Tensor"]
@@ -77,8 +77,7 @@ class _Radix:
         if self.level == 0:  # non-negative keys: the top 16 bits need no mask
             digit = keys.bitwise_right_shift_(shift) if owned else keys >> shift
         else:
-            lo, hi = self.prefix << high, (self.prefix + 1) << high
-            cand = keys[(keys >= lo) & (keys < hi)] if hi < (1 << (self.bits - 1)) else keys[keys >= lo]
+            cand = keys[bucket_mask(keys, high, self.prefix)]
             digit = (cand >> shift) & ((1 << _LEVEL_BITS) - 1)
         c = torch.bincount(digit, minlength=1 << _LEVEL_BITS).cpu()
         self.counts = c if self.counts is None else self.counts + c
@@ -148,11 +147,11 @@ class StreamingTopK:
             return
         if self.stage == "bucket":
             v = self._value
-            in_bucket = bucket_positions(keys, v.bits - _LEVEL_BITS, v.prefix)
-            if in_bucket.numel():
+            pos = in_bucket(keys, v.bits - _LEVEL_BITS, v.prefix)
+            if pos.numel():
                 assert self._bucket is not None
-                self._bucket[0].append(keys[in_bucket].cpu())
-                self._bucket[1].append(exact(in_bucket).to(torch.float64).cpu())
+                self._bucket[0].append(keys[pos].cpu())
+                self._bucket[1].append(exact(pos).to(torch.float64).cpu())
             return
         at_t = torch.nonzero(keys == self.threshold_key).reshape(-1)
         if at_t.numel() == 0:

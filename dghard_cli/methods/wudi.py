@@ -281,11 +281,9 @@ class WudiMergeOp:
         if blocks.tall:
             diag = [grams.pop((i, i)) for i in range(blocks.n)]
             kernels, stats = tall_kernels(diag, self.steps)
-            order = blocks.small
         else:
             kernels, stats = wide_kernels(grams, blocks.n, self.steps)
-            order = blocks.n * blocks.small
-        scale = order + gram_growth(blocks.big)  # = bound_scale(rows, cols, T)
+        scale = bound_scale(rows, job.shape[1], blocks.n)
         del grams
         if self.alpha != 1.0:
             for k in kernels:
