@@ -29,6 +29,7 @@ import torch
 
 from dghard_cli.engine.ops import InlineReads, JobInputs, TensorOp, base_record, passthrough
 from dghard_cli.engine.plan import Plan, TensorJob
+from dghard_cli.engine.scratch import ScratchPool
 from dghard_cli.errors import DGHardError, RuntimeFailure
 from dghard_cli.io.checkpoint import TensorInfo
 from dghard_cli.io.output import OutputStage, ShardRecord
@@ -361,16 +362,22 @@ def execute(
         torch.set_num_threads(1)
         t0 = time.perf_counter()
         rec = base_record(job)
-        blocks = list(
-            produce(
-                job,
-                JobInputs(job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin, reads=clock.inline),
-                rec,
+        with scratches.job():
+            blocks = list(
+                produce(
+                    job,
+                    JobInputs(
+                        job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin, reads=clock.inline
+                    ),
+                    rec,
+                )
             )
-        )
         rec["seconds"] = round(time.perf_counter() - t0, 6)
         return rec, blocks
 
+    # work buffers reused from job to job (a new tensor costs its page faults): one per job in
+    # flight, dropped before a large job (computed alone) and at the end
+    scratches = ScratchPool()
     workers = max(1, opts.compute_workers)
     threads_before = torch.get_num_threads()
     pool = (
@@ -428,8 +435,11 @@ def execute(
                     rec["delta_norm"] = records.get(job.tied_to, {}).get("delta_norm")
                 else:
                     blocks = produce(job, src, rec)
-                for block in blocks:
-                    writer.put(job.name, block)
+                scratches.release()  # the small jobs' buffers: this one sizes its own
+                with scratches.job():
+                    for block in blocks:
+                        writer.put(job.name, block)
+                scratches.release()
                 rec["seconds"] = round(time.perf_counter() - t0, 6)
                 del raw, src, blocks  # drop the inputs before the next job's are read
                 finish(job, rec, held)
@@ -452,6 +462,7 @@ def execute(
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
         torch.set_num_threads(threads_before)
+        scratches.release()
         clock.loop = time.perf_counter() - t_loop
     return [records[j.name] for j in plan.jobs]
 

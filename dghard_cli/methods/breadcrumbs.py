@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from dghard_cli.engine.scratch import Scratch
 from dghard_cli.errors import InputError
 from dghard_cli.methods import ties as T
 from dghard_cli.methods.builtin import kept_summary, nonnegative_weights
@@ -85,7 +86,8 @@ class BreadcrumbsKernel(Kernel):
         self.outer: list[StreamingTopK] = []
         self.inner: list[StreamingTopK] = []
 
-    def begin(self, dtype: torch.dtype, *, whole: bool) -> None:
+    def begin(self, dtype: torch.dtype, *, whole: bool, work: Scratch | None = None) -> None:
+        super().begin(dtype, whole=whole, work=work)
         pairs = zip(self.dropped, self.keep, strict=True)
         self.outer = [StreamingTopK(self.numel, dropped + keep, dtype) for dropped, keep in pairs]
         self.inner = [StreamingTopK(self.numel, dropped, dtype) for dropped in self.dropped]
@@ -128,8 +130,8 @@ class BreadcrumbsKernel(Kernel):
                 keep &= ~self.inner[i].mask(mag, ex)
             d.masked_fill_(~keep, 0)
         if self.election is not None:
-            return self.election(deltas)
-        return task_arithmetic_delta(deltas, self.weights, self.lam)
+            return self.election(deltas, self.work)
+        return task_arithmetic_delta(deltas, self.weights, self.lam, overwrite=True)
 
     def stats(self) -> dict:
         kept = [o.kept - i.kept for o, i in zip(self.outer, self.inner, strict=True)]

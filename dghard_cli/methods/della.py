@@ -119,8 +119,8 @@ class DellaKernel(Kernel):
             pruned.append(out)
         self.pos += n
         if self.election is not None:
-            return self.election(pruned)
-        return task_arithmetic_delta(pruned, self.weights, self.lam)
+            return self.election(pruned, self.work)
+        return task_arithmetic_delta(pruned, self.weights, self.lam, overwrite=True)
 
     def stats(self) -> dict:
         out = {"kept": self.kept, "kept_fraction": [k / self.numel if self.numel else 0.0 for k in self.kept]}

@@ -30,6 +30,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, OutputRangeError, all_finite, cast_out, strength_hint
 from dghard_cli.engine.plan import TensorJob
+from dghard_cli.engine.scratch import Scratch, current
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.methods import ties as T
 from dghard_cli.methods.dare import DareStream
@@ -115,8 +116,13 @@ class Kernel:
     #: split into pieces of the flattened tensor (a 1×N matrix is read whole)
     needs_rows = False
 
-    def begin(self, dtype: torch.dtype, *, whole: bool) -> None:
-        """Called once before any pass: the work dtype, and whether the tensor is one block."""
+    #: the job's scratch (CPU; set by :meth:`begin`): buffers a kernel may reuse within a block
+    work: Scratch | None = None
+
+    def begin(self, dtype: torch.dtype, *, whole: bool, work: Scratch | None = None) -> None:
+        """Called once before any pass: the work dtype, whether the tensor is one block, and the
+        scratch buffers (None: allocate)."""
+        self.work = work
 
     def pending(self) -> bool:
         """Does the kernel need (another) statistics pass over the blocks?"""
@@ -144,7 +150,7 @@ class WiseFTKernel(Kernel):
         self.alpha = alpha
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        return wise_ft_delta(deltas[0], self.alpha)
+        return wise_ft_delta(deltas[0], self.alpha, overwrite=True)
 
 
 class TaskArithmeticKernel(Kernel):
@@ -152,7 +158,7 @@ class TaskArithmeticKernel(Kernel):
         self.weights, self.lam = list(weights), lam
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        return task_arithmetic_delta(deltas, self.weights, self.lam)
+        return task_arithmetic_delta(deltas, self.weights, self.lam, overwrite=True)
 
 
 class _Election:
@@ -164,9 +170,11 @@ class _Election:
         self.counts: dict = {}
         self.numel = 0
 
-    def __call__(self, trimmed: list[torch.Tensor]) -> torch.Tensor:
+    def __call__(self, trimmed: list[torch.Tensor], work: Scratch | None = None) -> torch.Tensor:
+        """The merged delta of one block; with ``work``, ``trimmed`` (the caller's own) is
+        overwritten and the temporaries come from ``work``."""
         self.numel += trimmed[0].numel()
-        return T.ties_delta(trimmed, self.weights, self.lam, self.counts, normalize=self.normalize)
+        return T.ties_delta(trimmed, self.weights, self.lam, self.counts, normalize=self.normalize, work=work)
 
     def stats(self) -> dict:
         conflicts = self.counts.get("sign_conflicts", 0)
@@ -200,7 +208,8 @@ class TiesKernel(Kernel):
         self.streams: list[StreamingTopK] | None = None
         self.election = _Election(weights, lam, normalize=normalize)
 
-    def begin(self, dtype: torch.dtype, *, whole: bool) -> None:
+    def begin(self, dtype: torch.dtype, *, whole: bool, work: Scratch | None = None) -> None:
+        super().begin(dtype, whole=whole, work=work)
         if not whole:
             self.streams = [StreamingTopK(self.numel, k, dtype) for k in self.k]
 
@@ -227,16 +236,22 @@ class TiesKernel(Kernel):
 
     def trim_whole(self, i: int, delta: torch.Tensor, exact: T.ExactMagnitudes) -> None:
         """Select and trim a whole Δ_i in place (``exact``: its unrounded magnitudes)."""
-        mag = delta.abs()
-        sel = T.select_topk(mag, self.k[i], exact)
+        work = self.work
+        mag = (
+            delta.abs()
+            if work is None
+            else torch.abs(delta, out=work.take("ties.1", delta.shape, delta.dtype, delta.device))
+        )
+        sel = T.select_topk(mag, self.k[i], exact, work=work)
         self.sel[i] = sel
-        delta.masked_fill_(~T.selection_mask(mag, sel), 0)
+        del mag
+        T.trim_(delta, sel)
 
     def combine(self, base: torch.Tensor, deltas: list[torch.Tensor], exact: BlockExact) -> torch.Tensor:
         if self.streams is not None:  # row blocks: trim with the streamed selection
             for i, (s, d) in enumerate(zip(self.streams, deltas, strict=True)):
                 d.masked_fill_(~s.mask(d.abs(), lambda pos, i=i: exact(i, pos)), 0)
-        return self.election(deltas)
+        return self.election(deltas, self.work)
 
     def stats(self) -> dict:
         if self.streams is not None:
@@ -277,8 +292,8 @@ class DareKernel(Kernel):
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
         dropped = [s(d) for s, d in zip(self.streams, deltas, strict=True)]
         if self.election is not None:
-            return self.election(dropped)
-        return task_arithmetic_delta(dropped, self.weights, self.lam)
+            return self.election(dropped, self.work)
+        return task_arithmetic_delta(dropped, self.weights, self.lam, overwrite=True)
 
     def stats(self) -> dict:
         kept = [s.kept for s in self.streams]
@@ -296,7 +311,7 @@ class LayerWeightsKernel(Kernel):
         self.alpha = list(weights)  # [α_base, α_ft1, …]
 
     def block(self, deltas: list[torch.Tensor]) -> torch.Tensor:
-        return task_arithmetic_delta(deltas, self.alpha[1:], 1.0)
+        return task_arithmetic_delta(deltas, self.alpha[1:], 1.0, overwrite=True)
 
     def stats(self) -> dict:
         return {"recall_group": self.group, "recall_weights": self.alpha}
@@ -351,8 +366,23 @@ class ElementwiseMergeOp:
         self.block_bytes = block_bytes
         self.whole_bytes = max(whole_bytes, block_bytes)
 
-    def _read(self, job: TensorJob, src: JobInputs, key: str, rows, wd: torch.dtype) -> torch.Tensor:
-        return self._raw(job, src, key, rows).to(device=self.device, dtype=wd)
+    def _read(
+        self, job: TensorJob, src: JobInputs, key: str, rows, wd: torch.dtype, work: Scratch | None = None
+    ) -> torch.Tensor:
+        """One block of an input in the work dtype (in ``work``'s buffer for ``key`` when given)."""
+        raw = self._raw(job, src, key, rows)
+        if work is None:
+            return raw.to(device=self.device, dtype=wd)
+        return work.take(f"merge.{key}", raw.shape, wd, self.device).copy_(raw)
+
+    def _delta(
+        self, job: TensorJob, src: JobInputs, i: int, rows, b: torch.Tensor, work: Scratch | None
+    ) -> torch.Tensor:
+        """Δ_i = W_i − W_base of one block, in the work dtype (the same numbers either way: the
+        conversion to the work dtype is exact, the subtraction rounds once)."""
+        if work is None:  # never in place: a read may be a view of the input's buffer
+            return torch.sub(self._read(job, src, f"ft{i}", rows, b.dtype), b)
+        return self._read(job, src, f"ft{i}", rows, b.dtype, work).sub_(b)
 
     @staticmethod
     def _raw(job: TensorJob, src: JobInputs, key: str, rows) -> torch.Tensor:
@@ -414,7 +444,11 @@ class ElementwiseMergeOp:
             spans = flat_blocks(job, self.block_bytes, per_entry)
             if spans is not None:  # 1×N, long vectors: pieces of the flattened tensor
                 blocks = [Span(a, b) for a, b in spans]
-        kernel.begin(wd, whole=whole)
+        # CPU: the float copies of BASE and the deltas live in the job's scratch, reused from
+        # block to block and job to job (a new tensor costs its page faults, several times the
+        # arithmetic); the kernels own the deltas and may overwrite them
+        work = current() if self.device.type == "cpu" else None
+        kernel.begin(wd, whole=whole, work=work)
         while kernel.pending():  # statistics passes (TIES' top-k, SLERP's norms, ...): one block at a time
             for rows in blocks:
                 kernel.observe(
@@ -426,11 +460,10 @@ class ElementwiseMergeOp:
         dots = [0.0] * n  # ⟨Δ_i, W_base⟩
         merged_sq = 0.0
         for rows in blocks:
-            b = self._read(job, src, "base", rows, wd)
+            b = self._read(job, src, "base", rows, wd, work)
             deltas = []
             for i in range(n):
-                # never in place: a read may be a view of the input's buffer
-                d = torch.sub(self._read(job, src, f"ft{i}", rows, wd), b)
+                d = self._delta(job, src, i, rows, b, work)
                 sq = squared_norm(d)  # Δ is finite iff BASE and FT are (inf − x, x − inf, nan: not)
                 if not math.isfinite(sq):
                     raise _nonfinite_input(job, b, self._read(job, src, f"ft{i}", rows, wd), i)
@@ -451,6 +484,8 @@ class ElementwiseMergeOp:
                 )
             merged_sq += msq
             out = cast_out(merged.add_(b).cpu(), job.out_dtype, job.name)
+            if work is not None and work.owns(out):  # no cast: the sum is still a scratch buffer
+                out = out.clone()
             del merged
             if job.out_dtype == "F16" and not all_finite(out):
                 raise RuntimeFailure(

@@ -11,6 +11,6 @@ from __future__ import annotations
 import torch
 
 
-def wise_ft_delta(delta: torch.Tensor, alpha: float) -> torch.Tensor:
-    """The merged delta ``α·Δ`` (add it to W_base)."""
-    return delta * alpha
+def wise_ft_delta(delta: torch.Tensor, alpha: float, *, overwrite: bool = False) -> torch.Tensor:
+    """The merged delta ``α·Δ`` (add it to W_base); ``overwrite``: in ``delta`` (the caller's own)."""
+    return delta.mul_(alpha) if overwrite else delta * alpha
