@@ -23,6 +23,12 @@ import os as _os
 # Only effective when dghard is imported before torch starts its thread pool; a user's own
 # setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# torch maps its large CPU buffers on 2 MB boundaries and asks for transparent huge pages
+# (where the kernel offers them: "always" or "madvise"), so a new buffer costs one page fault
+# per 2 MB instead of per 4 KB: task arithmetic on the 0.5B-shaped bench 4.3 -> 3.4 s, TIES
+# 13.6 -> 12.3 s, peak RSS within 2 %. Read once, at torch's first allocation; a user's
+# setting wins.
+_os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
 from importlib import import_module as _import_module  # noqa: E402
 from pathlib import Path as _Path  # noqa: E402

@@ -192,3 +192,16 @@ def test_an_existing_out_is_refused_before_torch_is_imported(tmp_path):
     doc, res = _entrypoint_runs(lines)
     assert (doc["codes"], doc["torch"]) == ([2, 2, 2], False), res.stderr
     assert res.stderr.count("exists and is not empty; pass --overwrite to replace it") == 3, res.stderr
+
+
+def test_importing_the_package_sets_torch_allocation_defaults_a_user_setting_wins():
+    """OMP_WAIT_POLICY=PASSIVE and THP_MEM_ALLOC_ENABLE=1 (huge pages for torch's large CPU
+    buffers) are set before torch starts, unless the user set them."""
+    code = "import os, dghard_cli; print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('THP_MEM_ALLOC_ENABLE'))"
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "THP_MEM_ALLOC_ENABLE")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.stdout.split() == ["PASSIVE", "1"], run.stderr
+    env.update(OMP_WAIT_POLICY="ACTIVE", THP_MEM_ALLOC_ENABLE="0")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert run.stdout.split() == ["ACTIVE", "0"], run.stderr
