@@ -205,3 +205,61 @@ def test_overwriting_weighted_sums_are_the_allocating_ones(weights):
         weighted_sum([d.clone() for d in ds], weights, overwrite=True), weighted_sum(ds, weights)
     )
     assert same_bits(wise_ft_delta(ds[0].clone(), 0.3, overwrite=True), wise_ft_delta(ds[0], 0.3))
+
+
+# -- whole commands: the pipeline's scratch route against the allocating one ---------------------
+
+
+def _run_both(monkeypatch, tmp_path, run) -> tuple[dict, dict]:
+    """``run(out)`` with the pipeline's scratches, then with every op allocating."""
+    from conftest import load_dir
+
+    run(tmp_path / "scratch")
+    import dghard_cli.methods.dg_hard as dg
+    import dghard_cli.methods.merge_ops as mo
+
+    with monkeypatch.context() as m:
+        m.setattr(dg, "current", lambda: None)
+        m.setattr(mo, "current", lambda: None)
+        run(tmp_path / "alloc")
+    return load_dir(tmp_path / "scratch"), load_dir(tmp_path / "alloc")
+
+
+@pytest.mark.parametrize("out_dtype", ["F64", None])
+@pytest.mark.parametrize("block_bytes", [None, 20_000])
+def test_repair_over_scratch_writes_what_the_allocating_route_writes(
+    monkeypatch, tmp_path, out_dtype, block_bytes
+):
+    """float64 outputs are the float64 sums themselves (no cast): nothing taken from a scratch
+    may reach the writer, in one block or many, on the workers or the main thread."""
+    from dghard_cli.engine.plan import PolicyOptions
+    from dghard_cli.engine.writer import RunOptions
+    from dghard_cli.repairing import RepairOptions, repair
+    from dghard_cli.testing.synthetic import ArchConfig, make_pair
+
+    cfg = ArchConfig(hidden_size=48, intermediate_size=136, num_hidden_layers=2, vocab_size=200)
+    base, ft = make_pair(tmp_path / "m", cfg, ft_shards=2, seed=4)
+    run, policy = RunOptions(device="cpu", quiet=True), PolicyOptions(out_dtype=out_dtype)
+    opts = RepairOptions(run=run, policy=policy, block_bytes=block_bytes)
+    a, b = _run_both(monkeypatch, tmp_path, lambda out: repair(base, ft, out, opts))
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].dtype == b[name].dtype and same_bits(a[name].double(), b[name].double()), name
+
+
+@pytest.mark.parametrize("method", ["task-arithmetic", "ties", "dg-hard", "slerp"])
+def test_merges_over_scratch_write_what_the_allocating_route_writes(
+    monkeypatch, tmp_path, three_fine_tunes, method
+):
+    from dghard_cli.engine.plan import PolicyOptions
+    from dghard_cli.engine.writer import RunOptions
+    from dghard_cli.merging import MergeOptions, merge
+
+    n = 2
+    kw = {"ties": {"density": 0.3}, "slerp": {"extra": {"t": 0.4}}}.get(method, {})
+    run, policy = RunOptions(device="cpu", quiet=True), PolicyOptions(out_dtype="F64")
+    opts = MergeOptions(method=method, run=run, policy=policy, block_bytes=4096, **kw)
+    fts = three_fine_tunes["ft_dirs"][: 1 if method == "slerp" else n]
+    a, b = _run_both(monkeypatch, tmp_path, lambda out: merge(three_fine_tunes["base_dir"], fts, out, opts))
+    for name in a:
+        assert a[name].dtype == torch.float64 and same_bits(a[name], b[name]), name

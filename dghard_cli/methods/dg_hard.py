@@ -21,6 +21,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, cast_out, passthrough
 from dghard_cli.engine.plan import TensorJob
+from dghard_cli.engine.scratch import Scratch, current
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, Decision, decide
@@ -74,20 +75,32 @@ def delta_blocks(src: JobInputs, rows: int, cols: int, device: torch.device, blo
             yield (c0, c1), base[:, c0:c1], fine[:, c0:c1]
 
 
-def _dot64(x: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 20) -> torch.Tensor:
+def _dot64(
+    x: torch.Tensor, b: torch.Tensor, chunk_elems: int = 1 << 20, work: Scratch | None = None
+) -> torch.Tensor:
     """⟨x, b⟩ in float64 for a float64 ``x`` and a ``b`` of any float dtype and the same 2-D
     shape, in row chunks so the float64 copy of ``b`` stays small (a whole one would double a
-    block's memory)."""
+    block's memory); the copy goes in ``work`` when given."""
     step = max(1, chunk_elems // max(1, x.shape[1]))
     total = torch.zeros((), dtype=torch.float64, device=x.device)
     for r0 in range(0, x.shape[0], step):
         xs = x[r0 : r0 + step]
-        total += (
-            torch.sum(xs * b[r0 : r0 + step].to(torch.float64))
-            if not xs.is_contiguous()
-            else torch.dot(xs.reshape(-1), b[r0 : r0 + step].to(torch.float64).reshape(-1))
-        )
+        bs = _f64(b[r0 : r0 + step], work, "dg.b64")  # pass 1: the slot of pass 2's base block
+        total += torch.sum(xs * bs) if not xs.is_contiguous() else torch.dot(xs.reshape(-1), bs.reshape(-1))
     return total
+
+
+def _f64(t: torch.Tensor, work: Scratch | None, slot: str) -> torch.Tensor:
+    """``t`` in float64: a new tensor, or ``work``'s buffer for ``slot`` (contiguous either way for
+    the non-dense slices given here, so the products that follow see the same layout)."""
+    if work is None:
+        return t.to(torch.float64)
+    return work.take(slot, t.shape, torch.float64, t.device).copy_(t)
+
+
+def _own(t: torch.Tensor, work: Scratch | None) -> torch.Tensor:
+    """``t``, copied when it is a scratch buffer (a block about to leave for the writer)."""
+    return t.clone() if work is not None and work.owns(t) else t
 
 
 def default_block_bytes(device: torch.device) -> int:
@@ -130,12 +143,15 @@ def delta_spectrum(
     dot_t = torch.zeros((), dtype=torch.float64, device=device)
     r: torch.Tensor | None = None
     nblocks = 0
+    # CPU: the float64 blocks live in the job's scratch (the kept one-block delta too: it is valid
+    # until the job's next delta_spectrum)
+    work = current() if device.type == "cpu" else None
     for _, b, f in delta_blocks(src, rows, cols, device, block_bytes, ft):
         nblocks += 1
-        x = f.to(torch.float64)
+        x = _f64(f, work, "dg.x")
         sumsq_ft += torch.linalg.vector_norm(x) ** 2
         x = x.sub_(b)  # exact: the difference of two float32-representable values
-        dot_t += _dot64(x, b)
+        dot_t += _dot64(x, b, work=work)
         if not tall:
             x = x.T
         if gram:
@@ -261,11 +277,12 @@ def filtered_pass(
     tall = rows >= cols
     out_dtype = torch_dtype(job.out_dtype)
     single = weights is None
+    work = current() if device.type == "cpu" else None
     if single and delta is not None and not projectors[0].zero:  # one block: reuse pass 1's delta
-        b64 = _to(src.base()[:rows], device).to(torch.float64)
+        b64 = _f64(_to(src.base()[:rows], device), work, "dg.b64")
         xs = projectors[0].apply(delta, inplace=True)
         del delta
-        yield check(b64.add_(xs if tall else xs.T)).to(out_dtype).cpu()
+        yield _own(check(b64.add_(xs if tall else xs.T)).to(out_dtype), work).cpu()
         del xs, b64
     else:
         n = 1 if single else len(projectors)
@@ -275,11 +292,11 @@ def filtered_pass(
             rng, b, _ = parts[0]
             fines = [f for _, _, f in parts]
             if single:
-                out = _filtered_block(b, fines[0], projectors[0], tall, out_dtype, check)
+                out = _filtered_block(b, fines[0], projectors[0], tall, out_dtype, check, work)
             else:
-                out = _merged_block(b, fines, projectors, weights, lam, tall, out_dtype, check)
+                out = _merged_block(b, fines, projectors, weights, lam, tall, out_dtype, check, work)
             if full is None:
-                yield out.cpu()
+                yield _own(out, work).cpu()
             else:
                 full[:, rng[0] : rng[1]] = out
         if full is not None:
@@ -288,28 +305,39 @@ def filtered_pass(
         yield cast_out(src.ft(0, (rows, job.shape[0])), job.out_dtype, job.name)
 
 
-def _filtered_block(b, f, proj: Projector, tall: bool, out_dtype, check) -> torch.Tensor:
-    """``W_base + Δ*`` of one block (rank 0: the base's value as stored)."""
+def _filtered_block(
+    b, f, proj: Projector, tall: bool, out_dtype, check, work: Scratch | None = None
+) -> torch.Tensor:
+    """``W_base + Δ*`` of one block (rank 0: the base's value as stored); the float64 copies in
+    ``work`` when given (the result may then be one of its buffers)."""
     if proj.zero:
         return b.to(out_dtype)
-    b64 = b.to(torch.float64)
-    x = f.to(torch.float64).sub_(b64)
+    b64 = _f64(b, work, "dg.b64")
+    x = _f64(f, work, "dg.x").sub_(b64)
     xs = proj.apply(x if tall else x.T, inplace=True)
     return check(b64.add_(xs if tall else xs.T)).to(out_dtype)
 
 
-def _merged_block(b, fines, projectors, weights, lam: float, tall: bool, out_dtype, check) -> torch.Tensor:
-    """``W_base + λ·Σ_i w_i·Δ_i*`` of one block, accumulated from zero in float64."""
-    b64 = b.to(torch.float64)
-    acc = torch.zeros_like(b64 if tall else b64.T)
+def _merged_block(
+    b, fines, projectors, weights, lam: float, tall: bool, out_dtype, check, work: Scratch | None = None
+) -> torch.Tensor:
+    """``W_base + λ·Σ_i w_i·Δ_i*`` of one block, accumulated from zero in float64 (the copies in
+    ``work`` when given: the result may then be one of its buffers)."""
+    b64 = _f64(b, work, "dg.b64")
+    acc_shape = b64.shape if tall else b64.T.shape
+    acc = (
+        torch.zeros(acc_shape, dtype=torch.float64, device=b64.device)
+        if work is None
+        else work.take("dg.acc", acc_shape, torch.float64, b64.device).zero_()
+    )
     for f, proj, w in zip(fines, projectors, weights, strict=True):
         if proj is None or proj.zero or w == 0:
             continue
-        x = f.to(torch.float64) - b64
-        acc.add_(proj.apply(x if tall else x.T), alpha=w)
+        x = _f64(f, work, "dg.x").sub_(b64)
+        acc.add_(proj.apply(x if tall else x.T, inplace=True), alpha=w)
     if lam != 1.0:
         acc.mul_(lam)
-    return check(b64 + (acc if tall else acc.T)).to(out_dtype)
+    return check(b64.add_(acc if tall else acc.T)).to(out_dtype)
 
 
 def _fits(t: torch.Tensor, job: TensorJob) -> torch.Tensor:
