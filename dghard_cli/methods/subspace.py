@@ -48,6 +48,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, all_finite, cast_out, passthrough, strength_hint
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
+from dghard_cli.engine.scratch import Scratch, current
 from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
@@ -200,24 +201,30 @@ class TallBlocks:
         self.computed = [isinstance(info, ComputedTensorInfo) for info in job.fts]
         self._sumsq = [0.0] * self.n  # ‖W_i‖² of the computed ones (pass 1)
 
-    def _to(self, t: torch.Tensor) -> torch.Tensor:
-        # a copy always: blocks are modified in place, and a float64 input's must stay as read
-        return t.to(device=self.device, dtype=torch.float64, copy=True)
+    def _to(self, t: torch.Tensor, slot: str, work: Scratch | None) -> torch.Tensor:
+        """A float64 copy, contiguous (always a copy: blocks are modified in place, and a float64
+        input's must stay as read); in ``work``'s buffer for ``slot`` when given."""
+        if work is None:
+            return t.to(device=self.device, dtype=torch.float64, copy=True)
+        return work.take(slot, t.shape, torch.float64, self.device).copy_(t)
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, list[torch.Tensor]]]:
+        """``(base block, [X_i block])`` in order. On the CPU the blocks are the job's scratch
+        buffers, overwritten by the next step: use them before asking for the next."""
         src, rows, cols = self.src, self.rows, self.cols
+        work = current() if self.device.type == "cpu" else None
         if self.tall:
             for r0 in range(0, rows, self.step):
                 r = (r0, min(r0 + self.step, rows))
-                b = self._to(src.base(r))
-                yield b, [self._to(src.ft(i, r)).sub_(b) for i in range(self.n)]
+                b = self._to(src.base(r), "tall.b", work)
+                yield b, [self._to(src.ft(i, r), f"tall.x{i}", work).sub_(b) for i in range(self.n)]
             return
         base = src.base()[:rows]
         fts = [src.ft(i)[:rows] for i in range(self.n)]
         for c0 in range(0, cols, self.step):
             c = slice(c0, min(c0 + self.step, cols))
-            b = self._to(base[:, c]).T
-            yield b, [self._to(f[:, c]).T.sub_(b) for f in fts]
+            b = self._to(base[:, c], "tall.b", work).T
+            yield b, [self._to(f[:, c], f"tall.x{i}", work).T.sub_(b) for i, f in enumerate(fts)]
 
     def grams(self, *, each: bool, total: bool) -> tuple[list[torch.Tensor], torch.Tensor | None]:
         """``X_iᵀX_i`` of every fine-tune (``each``) and ``SᵀS`` of ``S = Σ_i X_i`` (``total``), one
@@ -227,11 +234,12 @@ class TallBlocks:
         gs = [zeros() for _ in range(self.n)] if each else []
         gt = zeros() if total else None
         sumsq = [torch.zeros((), dtype=torch.float64, device=self.device) for _ in range(self.n)]
+        work = current() if self.device.type == "cpu" else None
         for b, xs in self:
             for g, x in zip(gs, xs, strict=False):
                 gram_add_(g, x)
             if gt is not None:
-                gram_add_(gt, _sum(xs))
+                gram_add_(gt, _sum(xs, work))
             for i, x in enumerate(xs):
                 if self.computed[i]:
                     sumsq[i] += torch.linalg.vector_norm(x + b) ** 2
@@ -291,6 +299,7 @@ class TallBlocks:
         keep the first fine-tune's values."""
         job = self.job
         out_dtype = torch_dtype(job.out_dtype)
+        work = current() if self.device.type == "cpu" else None
         full = None if self.tall else torch.empty((self.rows, self.cols), dtype=out_dtype)
         c0 = 0
         for b, xs in self:
@@ -306,6 +315,8 @@ class TallBlocks:
                     f"{strength_hint(out.dtype)}"
                 )
             cast = out.to(out_dtype)
+            if work is not None and work.owns(cast):  # float64 out: the block itself, copied
+                cast = cast.clone()
             if not all_finite(cast):
                 raise InputError(
                     f"tensor {job.name!r}: the merged values exceed {job.out_dtype}'s range; "
@@ -336,8 +347,14 @@ def check_accurate_route(
         )
 
 
-def _sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    s = xs[0].clone()
+def _sum(xs: Sequence[torch.Tensor], work: Scratch | None = None) -> torch.Tensor:
+    """``Σ_i X_i`` of one step's blocks (in ``work``'s buffer when given, the layout of ``xs[0]``)."""
+    if work is None:
+        s = xs[0].clone()
+    else:  # the same strides as xs[0] (a wide matrix's blocks are transposed views)
+        x0 = xs[0]
+        buf = work.take("tall.sum", x0.T.shape if not x0.is_contiguous() else x0.shape, x0.dtype, x0.device)
+        s = (buf.T if not x0.is_contiguous() else buf).copy_(x0)
     for x in xs[1:]:
         s.add_(x)
     return s
