@@ -43,7 +43,7 @@ def run_stream(mag, exact_all, k, cuts, cap):
     passes = 0
     while s.pending:
         for a, c in blocks:
-            s.observe(mag[a:c].clone(), lambda pos, a=a: exact_all[a:][pos], owned=True)
+            s.observe(mag[a:c].clone(), lambda pos, a=a, e=exact_all: e[a:][pos], owned=True)
         s.end_pass()
         passes += 1
     out = torch.cat([s.mask(mag[a:c].contiguous(), lambda pos, a=a: exact_all[a:][pos]) for a, c in blocks])
@@ -74,6 +74,43 @@ def test_streamed_selection_is_the_exact_top_k(kind, cap):
         assert passes <= bits_passes + (1 if cap >= n else 4)
         if cap >= 2 * n and s.threshold > 0:  # the threshold's bucket gathered whole: 2 passes
             assert passes <= 2, (kind, trial, passes)
+
+
+@pytest.mark.parametrize("kind", [0, 1, 2, 3])
+@pytest.mark.parametrize("cap", [0, 3, 1 << 22])
+@pytest.mark.parametrize("scratch", [False, True])
+def test_trimming_in_place_is_the_masked_fill(kind, cap, scratch):
+    """``trim_`` (hard shrinkage, then the kept entries at T put back) zeroes exactly what
+    ``masked_fill_(~mask)`` zeroes, keeps the signed zeros, and counts the same ``kept``."""
+    from dghard_cli.engine.scratch import Scratch
+
+    g = torch.Generator().manual_seed(7 + 100 * kind + cap % 97)
+    for trial in range(30):
+        n = int(torch.randint(1, 2500, (1,), generator=g))
+        b, f = _case(kind, n, g)
+        delta = f - b
+        mag = delta.abs()
+        exact_all = (f.double() - b.double()).abs()
+        k = ties_mod.keep_count(n, float(torch.rand(1, generator=g)) * 1.05)
+        cuts = sorted({0, n, *torch.randint(0, n + 1, (4,), generator=g).tolist()})
+        s_mask, masked, _ = run_stream(mag, exact_all, k, cuts, cap)
+        s = StreamingTopK(n, k, mag.dtype, cap=cap)
+        while s.pending:
+            for a, c in zip(cuts[:-1], cuts[1:], strict=True):
+                s.observe(mag[a:c].clone(), lambda pos, a=a, e=exact_all: e[a:][pos], owned=True)
+            s.end_pass()
+        work = Scratch() if scratch else None
+        got = torch.cat(
+            [
+                s.trim_(delta[a:c].clone(), lambda pos, a=a, e=exact_all: e[a:][pos], work)
+                for a, c in zip(cuts[:-1], cuts[1:], strict=True)
+            ]
+        )
+        want = delta.clone().masked_fill_(~masked, 0)
+        ints = torch.int32 if delta.dtype == torch.float32 else torch.int64
+        assert torch.equal(got.view(ints), want.view(ints)), (kind, cap, trial)
+        assert s.kept == s_mask.kept == k
+        assert s.threshold == s_mask.threshold
 
 
 def test_ties_at_the_threshold_take_exact_order_then_row_major():

@@ -222,10 +222,12 @@ class TiesKernel(Kernel):
         for s, ft in zip(self.streams, fts, strict=True):
             if s.pending:
                 f = ft.reshape(-1)
+                mag = None if self.work is None else self.work.take("ties.1", f.shape, f.dtype, f.device)
                 s.observe(
-                    torch.sub(f, b).abs_(),
+                    torch.sub(f, b, out=mag).abs_(),
                     lambda pos, f=f: (f[pos].double() - b[pos].double()).abs(),
                     owned=True,
+                    work=self.work,
                 )
 
     def end_pass(self) -> None:
@@ -250,7 +252,7 @@ class TiesKernel(Kernel):
     def combine(self, base: torch.Tensor, deltas: list[torch.Tensor], exact: BlockExact) -> torch.Tensor:
         if self.streams is not None:  # row blocks: trim with the streamed selection
             for i, (s, d) in enumerate(zip(self.streams, deltas, strict=True)):
-                d.masked_fill_(~s.mask(d.abs(), lambda pos, i=i: exact(i, pos)), 0)
+                s.trim_(d, lambda pos, i=i: exact(i, pos), self.work)
         return self.election(deltas, self.work)
 
     def stats(self) -> dict:
@@ -452,8 +454,8 @@ class ElementwiseMergeOp:
         while kernel.pending():  # statistics passes (TIES' top-k, SLERP's norms, ...): one block at a time
             for rows in blocks:
                 kernel.observe(
-                    self._read(job, src, "base", rows, wd),
-                    [self._read(job, src, f"ft{i}", rows, wd) for i in range(n)],
+                    self._read(job, src, "base", rows, wd, work),
+                    [self._read(job, src, f"ft{i}", rows, wd, work) for i in range(n)],
                 )
             kernel.end_pass()
         sumsq = [0.0] * n

@@ -71,19 +71,28 @@ _BITS = {"float32": ("int32", 16), "float64": ("int64", 48)}  # by name: no torc
 _RADIX_CHUNK = 1 << 24
 
 
-def bucket_mask(keys: torch.Tensor, shift: int, bucket: int) -> torch.Tensor:
+def bucket_mask(keys: torch.Tensor, shift: int, bucket: int, work: Scratch | None = None) -> torch.Tensor:
     """Where the non-negative integer ``keys`` have ``keys >> shift == bucket``: the bit patterns
-    in ``[bucket << shift, (bucket + 1) << shift)``, two compares and no shifted copy."""
+    in ``[bucket << shift, (bucket + 1) << shift)``, two compares and no shifted copy (the masks
+    in ``work``'s ``ties.3`` and ``ties.4`` when given)."""
     lo, hi = bucket << shift, (bucket + 1) << shift
-    inside = keys >= lo
+    if work is None:
+        inside = keys >= lo
+    else:
+        inside = torch.ge(keys, lo, out=work.take("ties.3", keys.shape, torch.bool, keys.device))
     if hi <= torch.iinfo(keys.dtype).max:  # else the top bucket: no upper end
-        inside.logical_and_(keys < hi)
+        if work is None:
+            inside.logical_and_(keys < hi)
+        else:
+            inside.logical_and_(
+                torch.lt(keys, hi, out=work.take("ties.4", keys.shape, torch.bool, keys.device))
+            )
     return inside
 
 
-def in_bucket(keys: torch.Tensor, shift: int, bucket: int) -> torch.Tensor:
+def in_bucket(keys: torch.Tensor, shift: int, bucket: int, work: Scratch | None = None) -> torch.Tensor:
     """Flat positions of :func:`bucket_mask`."""
-    return torch.nonzero(bucket_mask(keys, shift, bucket).reshape(-1)).reshape(-1)
+    return torch.nonzero(bucket_mask(keys, shift, bucket, work).reshape(-1)).reshape(-1)
 
 
 def _kth_largest_candidates(

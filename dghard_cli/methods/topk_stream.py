@@ -42,6 +42,7 @@ from collections.abc import Callable
 
 import torch
 
+from dghard_cli.engine.scratch import Scratch
 from dghard_cli.methods.ties import bucket_mask, in_bucket
 
 #: ``exact(positions) -> float64 magnitudes`` at flat positions *of the current block*.
@@ -127,6 +128,7 @@ class StreamingTopK:
         self._left = 0  # entries at (T, T64) still to keep, in row-major order
         self._zero_ties = False  # T = 0: the entries at T are exactly 0 (no exact magnitudes needed)
         self.kept = 0
+        self._counted = False  # trim_ has added the entries above T to ``kept``
         self._min = float("inf")  # k = numel: the smallest magnitude (the threshold), seen by mask()
 
     # -- the statistics passes ---------------------------------------------------------------
@@ -138,16 +140,18 @@ class StreamingTopK:
     def _keys(self, mag: torch.Tensor) -> torch.Tensor:
         return mag.reshape(-1).view(self.int_dtype)
 
-    def observe(self, mag: torch.Tensor, exact: BlockExact, *, owned: bool = False) -> None:
+    def observe(
+        self, mag: torch.Tensor, exact: BlockExact, *, owned: bool = False, work: Scratch | None = None
+    ) -> None:
         """One block of the current pass (``mag``: |Δ| in the work dtype, contiguous; ``owned``:
-        a temporary this call may overwrite)."""
+        a temporary this call may overwrite; ``work``: buffers for the masks)."""
         keys = self._keys(mag)
         if self.stage == "value":
             self._value.observe(keys, owned=owned)
             return
         if self.stage == "bucket":
             v = self._value
-            pos = in_bucket(keys, v.bits - _LEVEL_BITS, v.prefix)
+            pos = in_bucket(keys, v.bits - _LEVEL_BITS, v.prefix, work)
             if pos.numel():
                 assert self._bucket is not None
                 self._bucket[0].append(keys[pos].cpu())
@@ -251,6 +255,70 @@ class StreamingTopK:
         if self.k == self.numel:
             return self._min
         return float(torch.tensor(self.threshold_key, dtype=self.int_dtype).view(self.dtype))
+
+    def trim_(self, delta: torch.Tensor, exact: BlockExact, work: Scratch | None = None) -> torch.Tensor:
+        """Zero, in place, the entries of the next block of Δ (row-major order) that the
+        selection drops, and return it: ``delta.masked_fill_(~mask(|delta|, exact), 0)`` with no
+        mask (hard shrinkage at the threshold, then the kept entries at it put back; a mask and
+        ``masked_fill_`` cost 5× as much). ``work``: the magnitudes' buffers."""
+        assert not self.pending, "the statistics passes are not finished"
+        flat = delta.view(-1)
+        n = flat.numel()
+        if self.k == 0:
+            return delta.zero_()
+        mag = (
+            flat.abs()
+            if work is None
+            else torch.abs(flat, out=work.take("ties.1", flat.shape, flat.dtype, flat.device))
+        )
+        if self.k == self.numel:
+            if n:
+                self._min = min(self._min, float(mag.min()))
+            self.kept += n
+            return delta
+        keys = self._keys(mag)
+        t = self.threshold  # a value of the work dtype: the shrinkage's compare is exact
+        if self._t64 is None:  # every entry at T is kept: |Δ| ≥ T, i.e. |Δ| > the number below T
+            zero = torch.zeros((), dtype=self.dtype)
+            below = float(torch.nextafter(torch.tensor(t, dtype=self.dtype), zero)) if t > 0 else -1.0
+            torch.ops.aten.hardshrink.out(flat, below, out=flat)
+            self._count_once(self.above + self.equal)
+            return delta
+        eq = (
+            torch.eq(keys, self.threshold_key)
+            if work is None
+            else torch.eq(
+                keys, self.threshold_key, out=work.take("ties.3", keys.shape, torch.bool, keys.device)
+            )
+        )
+        at_t = torch.nonzero(eq).reshape(-1)
+        if self._zero_ties:
+            keep = at_t[: self._left] if self._left > 0 else at_t[:0]
+            self._left -= int(keep.numel())
+        else:
+            keep = at_t[:0]
+            if at_t.numel():
+                ex = exact(at_t).to(torch.float64).to(at_t.device)
+                chosen = ex > self._t64
+                if self._left > 0:
+                    tie = torch.nonzero(ex == self._t64).reshape(-1)
+                    take = tie[: self._left]
+                    self._left -= int(take.numel())
+                    chosen[take] = True
+                keep = at_t[chosen]
+        kept_values = flat[keep]
+        torch.ops.aten.hardshrink.out(flat, t, out=flat)  # zeroes |Δ| ≤ T
+        flat[keep] = kept_values
+        self._count_once(self.above)
+        self.kept += int(keep.numel())
+        return delta
+
+    def _count_once(self, n: int) -> None:
+        """``kept`` of :meth:`trim_`: the entries above T (and at it, when all are kept) as the
+        radix passes counted them, added once, plus the entries at T each block keeps."""
+        if not self._counted:
+            self.kept += n
+            self._counted = True
 
     def mask(self, mag: torch.Tensor, exact: BlockExact) -> torch.Tensor:
         """The kept entries of the next block (row-major order), as a bool tensor of its shape."""
