@@ -217,10 +217,12 @@ def _run_both(monkeypatch, tmp_path, run) -> tuple[dict, dict]:
     run(tmp_path / "scratch")
     import dghard_cli.methods.dg_hard as dg
     import dghard_cli.methods.merge_ops as mo
+    import dghard_cli.methods.subspace as sub
 
     with monkeypatch.context() as m:
         m.setattr(dg, "current", lambda: None)
         m.setattr(mo, "current", lambda: None)
+        m.setattr(sub, "current", lambda: None)
         run(tmp_path / "alloc")
     return load_dir(tmp_path / "scratch"), load_dir(tmp_path / "alloc")
 
@@ -247,7 +249,7 @@ def test_repair_over_scratch_writes_what_the_allocating_route_writes(
         assert a[name].dtype == b[name].dtype and same_bits(a[name].double(), b[name].double()), name
 
 
-@pytest.mark.parametrize("method", ["task-arithmetic", "ties", "dg-hard", "slerp"])
+@pytest.mark.parametrize("method", ["task-arithmetic", "ties", "dg-hard", "slerp", "tsv", "iso-c"])
 def test_merges_over_scratch_write_what_the_allocating_route_writes(
     monkeypatch, tmp_path, three_fine_tunes, method
 ):
