@@ -265,3 +265,16 @@ def test_merges_over_scratch_write_what_the_allocating_route_writes(
     a, b = _run_both(monkeypatch, tmp_path, lambda out: merge(three_fine_tunes["base_dir"], fts, out, opts))
     for name in a:
         assert a[name].dtype == torch.float64 and same_bits(a[name], b[name]), name
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 4001, 40_003])
+def test_flat_nonzero_is_torch_nonzero(n):
+    g = torch.Generator().manual_seed(n)
+    for p in (0.0, 1e-4, 0.01, 0.3, 1.0):
+        mask = torch.rand(n, generator=g) < p
+        assert torch.equal(T.flat_nonzero(mask), torch.nonzero(mask).reshape(-1))
+        if n > 9:  # a view that starts off an 8-byte boundary, and a 2-D mask
+            assert torch.equal(T.flat_nonzero(mask[3:]), torch.nonzero(mask[3:]).reshape(-1))
+        if n % 8 == 0 and n:
+            m2 = mask.reshape(8, -1)
+            assert torch.equal(T.flat_nonzero(m2), torch.nonzero(m2.reshape(-1)).reshape(-1))

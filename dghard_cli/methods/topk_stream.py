@@ -43,7 +43,7 @@ from collections.abc import Callable
 import torch
 
 from dghard_cli.engine.scratch import Scratch
-from dghard_cli.methods.ties import bucket_mask, in_bucket
+from dghard_cli.methods.ties import bucket_mask, flat_nonzero, in_bucket
 
 #: ``exact(positions) -> float64 magnitudes`` at flat positions *of the current block*.
 BlockExact = Callable[["torch.Tensor"], "torch.Tensor"]
@@ -291,7 +291,7 @@ class StreamingTopK:
                 keys, self.threshold_key, out=work.take("ties.3", keys.shape, torch.bool, keys.device)
             )
         )
-        at_t = torch.nonzero(eq).reshape(-1)
+        at_t = flat_nonzero(eq)
         if self._zero_ties:
             keep = at_t[: self._left] if self._left > 0 else at_t[:0]
             self._left -= int(keep.numel())
