@@ -15,7 +15,9 @@ under ``/usr/bin/time -v`` in its own process, and prints wall time, peak RSS an
 and, for each dghard command, the machine's floors measured in the same invocation
 (``scripts/floors.py``: the start-up of a Python process importing torch, the I/O floor of its
 inputs and output bytes, the compute floor of its spectral route), its ratio to start-up +
-max(I/O, compute), and where its time went (the report's ``timings.stages``).
+max(I/O, compute), and where its time went (the report's ``timings.stages``). Each row also
+gives the CPU time the hypervisor took for other guests while it ran (``/proc/stat`` steal): on
+a shared virtual machine a run with steal well above 0 is not comparable with a quiet one.
 
 It checks that the naive baseline keeps the same ranks and values as ``dghard repair`` and that
 the two TIES outputs agree (≤ 1e-6 relative, float32 outputs).
@@ -132,18 +134,33 @@ def generate(work: Path, layers: int, fine_tunes: int = 2) -> tuple[Path, ...]:
 # -- measuring ------------------------------------------------------------------------------
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(steal, total) clock ticks of all CPUs from /proc/stat (None elsewhere)."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except (OSError, ValueError):
+        return None
+    return (fields[7] if len(fields) > 7 else 0), sum(fields[:8])
+
+
 def timed(cmd: list[str], env: dict | None = None) -> dict:
-    """Wall time and peak RSS of a command, as /usr/bin/time -v reports them."""
+    """Wall time and peak RSS of a command, as /usr/bin/time -v reports them, and the share of
+    the machine's CPU time its hypervisor took for other guests meanwhile (steal: a virtual
+    machine's timings are comparable only when it is near 0)."""
     timer = ["/usr/bin/time", "-v"] if Path("/usr/bin/time").exists() else []
+    c0 = cpu_times()
     t0 = time.perf_counter()
     r = subprocess.run(timer + cmd, capture_output=True, text=True, env=env)
     wall = time.perf_counter() - t0
+    c1 = cpu_times()
+    steal = (c1[0] - c0[0]) / max(1, c1[1] - c0[1]) if c0 and c1 else float("nan")
     if r.returncode != 0:
         raise SystemExit(
             f"command failed ({r.returncode}): {' '.join(cmd)}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
         )
     m = re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr)
-    return {"wall_s": wall, "peak_rss_mb": int(m.group(1)) / 1024 if m else float("nan"), "stdout": r.stdout}
+    peak = int(m.group(1)) / 1024 if m else float("nan")
+    return {"wall_s": wall, "peak_rss_mb": peak, "steal": steal, "stdout": r.stdout}
 
 
 def compare_dirs(a: Path, b: Path) -> float:
@@ -276,17 +293,20 @@ def main() -> None:
         f"{os.cpu_count()} CPU cores; start-up (import torch, safetensors) {startup:.1f} s"
     )
     print()
-    print("| command | wall s | peak RSS MB | I/O floor s | compute floor s | floor s | wall / floor |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print(
+        "| command | wall s | peak RSS MB | I/O floor s | compute floor s | floor s | wall / floor | CPU steal |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows:
         f = floors.get(name)
+        steal = f"{100 * r.get('steal', float('nan')):.0f} %"
         if f is None:
-            print(f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | | | | |")
+            print(f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | | | | | {steal} |")
             continue
         floor = startup + max(f["io_s"], f["compute_s"])
         print(
             f"| {name} | {r['wall_s']:.1f} | {r['peak_rss_mb']:.0f} | {f['io_s']:.1f} | {f['compute_s']:.1f} | "
-            f"{floor:.1f} | {r['wall_s'] / floor:.1f} |"
+            f"{floor:.1f} | {r['wall_s'] / floor:.1f} | {steal} |"
         )
     print()
     print("where each command's streaming time went (its report's timings.stages; threads overlap):")
