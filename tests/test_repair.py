@@ -454,3 +454,28 @@ def test_row_blocked_streaming_equals_the_unblocked_route(tmp_path):
         assert (st["read_inline"] > 0) == inline and (st["read"] > 0) != inline
         loop = st["compute"] + st["read_inline"] + st["wait_read"] + st["wait_write"]
         assert loop <= t["process"] + 0.01
+
+
+def test_a_large_job_after_small_parallel_ones_does_not_deadlock(tmp_path):
+    """A job read ahead whole but computed alone (inputs above ``parallel_bytes``) whose inputs
+    exceed what the small jobs in flight leave of the read-ahead budget: the prefetcher waited
+    for that budget, which was returned only when the main thread wrote the small jobs, and the
+    main thread waited for the prefetcher (a 7B Llama's MLP after its attention matrices)."""
+    import threading
+
+    from dghard_cli.engine.pipeline import EngineOptions
+
+    cfg = ArchConfig(hidden_size=48, intermediate_size=136, num_hidden_layers=2, vocab_size=200)
+    base, ft = make_pair(tmp_path, cfg, dtype="float32", ft_shards=1, seed=5)
+    # attention: 2 × 9 KB of inputs (parallel); MLP: 2 × 26 KB (alone); budget 60 KB < 36 + 52
+    engine = EngineOptions(prefetch_bytes=60_000, parallel_bytes=20_000, compute_workers=2)
+    opts = RepairOptions(run=RunOptions(quiet=True, engine=engine))
+    done: list = []
+    t = threading.Thread(target=lambda: done.append(repair(base, ft, tmp_path / "out", opts)), daemon=True)
+    t.start()
+    t.join(timeout=120)
+    assert done, "repair did not finish in 120 s (the read-ahead deadlocked)"
+    whole = repair(base, ft, tmp_path / "ref", RepairOptions(run=RunOptions(quiet=True)))
+    a, b = load_dir(tmp_path / "out"), load_dir(tmp_path / "ref")
+    assert all(torch.equal(a[k], b[k]) for k in b)
+    assert [r.get("rank_kept") for r in done[0]["tensors"]] == [r.get("rank_kept") for r in whole["tensors"]]

@@ -360,22 +360,29 @@ def execute(
             return op(job, src, rec)
         return passthrough(job, src, rec, "base" if job.action == "kept-base" else "ft0")
 
-    def computed(job: TensorJob, raw: dict | None) -> tuple[dict, list]:
-        """A whole job on a worker thread: its record and every output block, in order."""
+    def computed(job: TensorJob, raw: dict | None, held: int) -> tuple[dict, list]:
+        """A whole job on a worker thread: its record and every output block, in order. Its
+        inputs' read-ahead budget is returned as soon as it is computed: the main thread may be
+        waiting for the prefetcher, which may be waiting for that budget (a job larger than
+        what the pending ones leave of the budget deadlocked when it was returned at write)."""
         # one thread per worker: OpenMP's thread count is per calling thread, so set it here
         torch.set_num_threads(1)
         t0 = time.perf_counter()
         rec = base_record(job)
-        with scratches.job():
-            blocks = list(
-                produce(
-                    job,
-                    JobInputs(
-                        job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin, reads=clock.inline
-                    ),
-                    rec,
+        try:
+            with scratches.job():
+                blocks = list(
+                    produce(
+                        job,
+                        JobInputs(
+                            job, raw, allow_nonfinite=opts.allow_nonfinite, pin=opts.pin, reads=clock.inline
+                        ),
+                        rec,
+                    )
                 )
-            )
+        finally:
+            del raw
+            pre.budget.release(held)
         rec["seconds"] = round(time.perf_counter() - t0, 6)
         return rec, blocks
 
@@ -391,7 +398,7 @@ def execute(
     shard_records: list[dict] = []
 
     def finish(job: TensorJob, rec: dict, held: int) -> None:
-        pre.budget.release(held)
+        pre.budget.release(held)  # 0 for a worker's job (returned when it was computed)
         records[job.name] = rec
         shard_records.append(rec)
         if on_tensor is not None:
@@ -421,7 +428,7 @@ def execute(
                 if pool is not None and small:
                     # several small tensors at once, one thread each (eigensolvers scale poorly
                     # with threads; two at a time were measured 21 % faster on 2 cores)
-                    pending.append((job, pool.submit(computed, job, raw), held))
+                    pending.append((job, pool.submit(computed, job, raw, held), 0))
                     del raw
                     flush(keep=workers)
                     continue
