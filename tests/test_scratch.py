@@ -278,3 +278,22 @@ def test_flat_nonzero_is_torch_nonzero(n):
         if n % 8 == 0 and n:
             m2 = mask.reshape(8, -1)
             assert torch.equal(T.flat_nonzero(m2), torch.nonzero(m2.reshape(-1)).reshape(-1))
+
+
+def test_merged_block_leaves_float64_inputs_alone():
+    """Without a scratch, the spectral merge's block copies float64 inputs before writing
+    into them (``.to(float64)`` of a float64 tensor is the tensor itself)."""
+    from dghard_cli.methods.dg_hard import _filtered_block, _merged_block
+    from dghard_cli.spectral.spectrum import Projector
+
+    g = torch.Generator().manual_seed(1)
+    b = torch.randn(6, 9, generator=g, dtype=torch.float64)
+    fs = [b + 0.1 * torch.randn(6, 9, generator=g, dtype=torch.float64) for _ in range(2)]
+    before = [t.clone() for t in (b, *fs)]
+    vs = torch.linalg.qr(torch.randn(6, 2, generator=g, dtype=torch.float64))[0]
+    proj = Projector(vs=vs, d=torch.tensor([0.5, -0.25], dtype=torch.float64), c=0.9)
+    out = _merged_block(b, fs, [proj, proj], [0.3, 1.3], 0.8, False, torch.float64, lambda t: t)
+    out1 = _filtered_block(b, fs[0], proj, False, torch.float64, lambda t: t)
+    assert all(same_bits(t, o) for t, o in zip((b, *fs), before, strict=True))
+    assert out.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+    assert out1.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()

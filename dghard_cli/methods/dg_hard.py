@@ -91,10 +91,12 @@ def _dot64(
 
 
 def _f64(t: torch.Tensor, work: Scratch | None, slot: str) -> torch.Tensor:
-    """``t`` in float64: a new tensor, or ``work``'s buffer for ``slot`` (contiguous either way for
-    the non-dense slices given here, so the products that follow see the same layout)."""
+    """A float64 copy of ``t`` — always a copy, written in place by the callers (a float64
+    input's ``.to`` would be the input itself): a new tensor, or ``work``'s buffer for ``slot``
+    (contiguous either way for the non-dense slices given here, so the products that follow see
+    the same layout)."""
     if work is None:
-        return t.to(torch.float64)
+        return t.to(torch.float64, copy=True)
     return work.take(slot, t.shape, torch.float64, t.device).copy_(t)
 
 
