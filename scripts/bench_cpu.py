@@ -24,6 +24,7 @@ the two TIES outputs agree (≤ 1e-6 relative, float32 outputs).
 
     python scripts/bench_cpu.py                       # everything (~2 GB per model on disk)
     python scripts/bench_cpu.py --layers 4 --skip-mergekit --skip-naive
+    python scripts/bench_cpu.py --models BASE FT FT2 --workdir /tmp/bench-real   # a real model
 """
 
 from __future__ import annotations
@@ -200,6 +201,13 @@ def main() -> None:
     ap.add_argument("--density", type=float, default=0.2)
     ap.add_argument("--skip-mergekit", action="store_true")
     ap.add_argument("--skip-naive", action="store_true")
+    ap.add_argument(
+        "--models",
+        nargs=3,
+        type=Path,
+        metavar=("BASE", "FT", "FT2"),
+        help="run the same table on these checkpoints instead of the generated pair (a real model)",
+    )
     ap.add_argument("--naive", nargs=3, type=Path, metavar=("BASE", "FT", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.naive:
@@ -208,7 +216,7 @@ def main() -> None:
 
     work = args.workdir
     work.mkdir(parents=True, exist_ok=True)
-    base, ft, ft2 = generate(work, args.layers)
+    base, ft, ft2 = args.models if args.models else generate(work, args.layers)
     size = sum(p.stat().st_size for p in ft.glob("*.safetensors"))
     env = dict(os.environ, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1")
     py = sys.executable
@@ -288,8 +296,9 @@ def main() -> None:
         )
 
     print()
+    what = f"{base}, {ft}, {ft2}" if args.models else f"Qwen2.5-0.5B-shaped pair, {args.layers} layers, bf16"
     print(
-        f"Qwen2.5-0.5B-shaped pair, {args.layers} layers, bf16, {size / 1e9:.2f} GB per checkpoint, "
+        f"{what}, {size / 1e9:.2f} GB per checkpoint, "
         f"{os.cpu_count()} CPU cores; start-up (import torch, safetensors) {startup:.1f} s"
     )
     print()
