@@ -291,35 +291,9 @@ def disjoint_mean(
     """
     if any(w < 0 for w in weights):
         raise ValueError("disjoint_mean takes weights >= 0")
-    if work is not None:
-        return _disjoint_mean_over(trimmed, weights, sign, stats, normalize, work)
-    num: torch.Tensor | None = None  # Σ w_i·|t_i| over agreeing entries
-    den: torch.Tensor | None = None
-    conflict = None
-    for t, w in zip(trimmed, weights, strict=True):
-        if w == 0:
-            continue
-        p = t * sign  # > 0: agrees (and equals |t|); < 0: disagrees
-        agree = p > 0
-        if stats is not None:
-            dis = p < 0
-            conflict = dis if conflict is None else conflict.logical_or_(dis)
-        p.clamp_(min=0)
-        if num is None:
-            num = p.mul_(w) if w != 1 else p
-            den = agree.to(p.dtype).mul_(w)
-        else:
-            num.add_(p, alpha=w)
-            assert den is not None
-            den.add_(agree, alpha=w)
-    if num is None or den is None:  # every weight is zero
-        return torch.zeros_like(sign)
-    if stats is not None and conflict is not None:
-        stats["sign_conflicts"] = stats.get("sign_conflicts", 0) + int(torch.count_nonzero(conflict))
-    if not normalize:
-        return num.mul_(sign)
-    den.masked_fill_(den == 0, 1)  # nothing agrees: num is 0 there
-    return num.div_(den).mul_(sign)
+    if work is None:  # the inputs stay as given: the same route over copies and a scratch of its own
+        trimmed, work = [t.clone() for t in trimmed], Scratch()
+    return _disjoint_mean_over(trimmed, weights, sign, stats, normalize, work)
 
 
 def _disjoint_mean_over(

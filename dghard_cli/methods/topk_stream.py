@@ -291,27 +291,31 @@ class StreamingTopK:
                 keys, self.threshold_key, out=work.take("ties.3", keys.shape, torch.bool, keys.device)
             )
         )
-        at_t = flat_nonzero(eq)
-        if self._zero_ties:
-            keep = at_t[: self._left] if self._left > 0 else at_t[:0]
-            self._left -= int(keep.numel())
-        else:
-            keep = at_t[:0]
-            if at_t.numel():
-                ex = exact(at_t).to(torch.float64).to(at_t.device)
-                chosen = ex > self._t64
-                if self._left > 0:
-                    tie = torch.nonzero(ex == self._t64).reshape(-1)
-                    take = tie[: self._left]
-                    self._left -= int(take.numel())
-                    chosen[take] = True
-                keep = at_t[chosen]
+        keep = self._kept_at_threshold(flat_nonzero(eq), exact)
         kept_values = flat[keep]
         torch.ops.aten.hardshrink.out(flat, t, out=flat)  # zeroes |Δ| ≤ T
         flat[keep] = kept_values
         self._count_once(self.above)
         self.kept += int(keep.numel())
         return delta
+
+    def _kept_at_threshold(self, at_t: torch.Tensor, exact: BlockExact) -> torch.Tensor:
+        """Which of the next block's entries at T (``at_t``: flat positions, ascending) the
+        selection keeps: with ties at zero the first ones still to keep, in row-major order;
+        else those whose exact magnitude is above T64, then the first ones still to keep at it."""
+        if self._zero_ties:
+            keep = at_t[: max(self._left, 0)]
+            self._left -= int(keep.numel())
+            return keep
+        if not at_t.numel():
+            return at_t
+        ex = exact(at_t).to(torch.float64).to(at_t.device)
+        chosen = ex > self._t64
+        if self._left > 0:
+            take = torch.nonzero(ex == self._t64).reshape(-1)[: self._left]
+            self._left -= int(take.numel())
+            chosen[take] = True
+        return at_t[chosen]
 
     def _count_once(self, n: int) -> None:
         """``kept`` of :meth:`trim_`: the entries above T (and at it, when all are kept) as the
@@ -337,22 +341,6 @@ class StreamingTopK:
             m = keys >= t
         else:
             m = keys > t
-            if self._zero_ties:
-                if self._left > 0:
-                    take = torch.nonzero(keys == t).reshape(-1)[: self._left]
-                    self._left -= int(take.numel())
-                    m[take] = True
-                self.kept += int(torch.count_nonzero(m))
-                return m.reshape(mag.shape)
-            at_t = torch.nonzero(keys == t).reshape(-1)
-            if at_t.numel():
-                ex = exact(at_t).to(torch.float64).to(at_t.device)
-                keep = ex > self._t64
-                if self._left > 0:
-                    tie = torch.nonzero(ex == self._t64).reshape(-1)
-                    take = tie[: self._left]
-                    self._left -= int(take.numel())
-                    keep[take] = True
-                m[at_t[keep]] = True
+            m[self._kept_at_threshold(flat_nonzero(keys == t), exact)] = True
         self.kept += int(torch.count_nonzero(m))
         return m.reshape(mag.shape)
