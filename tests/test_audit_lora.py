@@ -384,6 +384,92 @@ def test_targeting_key_names_and_config_keys(tmp_path):
     assert typo["details"] == {"key": "lora_aplha", "suggestion": "lora_alpha"}
 
 
+def test_config_keys_of_a_newer_peft_are_never_typos_and_never_fail_warn(tmp_path, monkeypatch):
+    """PEFT 0.22 wrote ``"astra_config": null`` into every adapter and the audit called it a typo
+    of ``kasa_config``, failing ``--fail-on warn``; a release newer than both this dghard and the
+    installed PEFT writes its new fields the same way."""
+    from dghard_cli.lora import config_keys as K
+
+    d, t, cfg = build(tmp_path, targets=("q_proj",))
+    cfg.update(astra_config=None, zeta_config=None, mica_config={"rank": 4}, use_dorb=False)
+    write_adapter(d, t, cfg)
+    monkeypatch.setattr(K, "installed_peft_fields", lambda: None)  # PEFT not installed
+    doc = audit(d, fail_on="warn")
+    assert codes(doc) == {"CONFIG_UNKNOWN_KEY": [None, None, None]}, doc["findings"]
+    assert not doc["summary"]["failed"]
+    assert sorted(f["details"]["key"] for f in doc["findings"]) == ["mica_config", "use_dorb", "zeta_config"]
+    res = run_dghard("audit-lora", d, "--fail-on", "warn")
+    assert res.returncode == 0, res.stderr
+
+    # the installed PEFT knows them: no finding for its fields at their default, info for one set
+    newer = K.InstalledPeft("9.0.0", K.KNOWN_KEYS | {"zeta_config", "mica_config", "use_dorb"})
+    found = K.key_findings(cfg, newer)
+    assert [(f.code, f.details["key"]) for f in found] == [("CONFIG_KEY_UNCHECKED", "mica_config")]
+    assert found[0].level == "info" and "installed PEFT 9.0.0" in found[0].message
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "want"),
+    [
+        ("lora_aplha", 32, "lora_alpha"),  # a transposition
+        ("target_module", ["q_proj"], "target_modules"),
+        ("layers_to_tranform", [0], "layers_to_transform"),
+        ("use_rs_lora", True, "use_rslora"),  # words split differently: one edit
+        ("lora_aplha", None, None),  # null: what PEFT writes for a field it does not use
+        ("astra_config", {"rank": 1}, None),  # a method's name is not a typo of another's
+        ("zeta_config", {"x": 1}, None),
+        ("my_training_note", "x", None),
+    ],
+)
+def test_a_typo_is_one_set_word_one_edit_or_two_from_a_known_key(key, value, want):
+    from dghard_cli.lora import config_keys as K
+
+    none = K.InstalledPeft("0.0", frozenset())
+    found = [f for f in K.key_findings({key: value}, none) if f.code == "CONFIG_KEY_TYPO"]
+    assert [f.details["suggestion"] for f in found] == ([want] if want else [])
+    if want:
+        assert found[0].level == "warn"
+
+
+def test_edit_distance_against_a_plain_reference():
+    from dghard_cli.lora.config_keys import edits
+
+    def ref(a: str, b: str) -> int:  # optimal string alignment, straight from the recurrence
+        d = {(i, j): 0 for i in range(-1, len(a) + 1) for j in range(-1, len(b) + 1)}
+        for i in range(len(a) + 1):
+            d[i, 0] = i
+        for j in range(len(b) + 1):
+            d[0, j] = j
+        for i in range(1, len(a) + 1):
+            for j in range(1, len(b) + 1):
+                d[i, j] = min(d[i - 1, j] + 1, d[i, j - 1] + 1, d[i - 1, j - 1] + (a[i - 1] != b[j - 1]))
+                if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                    d[i, j] = min(d[i, j], d[i - 2, j - 2] + 1)
+        return d[len(a), len(b)]
+
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        a = "".join(rng.choice(list("abc_"), rng.integers(0, 7)))
+        b = "".join(rng.choice(list("abc_"), rng.integers(0, 7)))
+        assert edits(a, b) == ref(a, b), (a, b)
+
+
+@pytest.mark.parametrize("init", ["pissa", "pissa_niter_4", "olora", "corda", "loftq", "astra", "lora_ga"])
+def test_adapters_whose_initialisation_modified_the_base_are_refused(base_dir, tmp_path, init):
+    """PEFT saves these relative to the base its initialisation modified (Astra and LoRA-GA,
+    of PEFT 0.22, were read as plain LoRA before)."""
+    from dghard_cli.merging import MergeOptions, merge
+
+    d, t, cfg = build(tmp_path, targets=("q_proj",))
+    cfg["init_lora_weights"] = init
+    write_adapter(d, t, cfg)
+    with pytest.raises(
+        InputError, match=f"init_lora_weights='{init}'.*path_initial_model_for_weight_conversion"
+    ):
+        merge(str(base_dir), [str(d)], str(tmp_path / "out"), MergeOptions("wise-ft", alpha=0.5))
+    assert not (tmp_path / "out").exists()
+
+
 def test_key_prefix_missing_and_adapter_name_left_in(tmp_path):
     d, t, cfg = build(tmp_path, targets=("q_proj",))
     write_adapter(d, {k[len(PREFIX) :]: v for k, v in t.items()}, cfg)

@@ -40,7 +40,7 @@ from dghard_cli.audit.auditor import audit_lora  # noqa: E402
 from dghard_cli.engine.writer import RunOptions  # noqa: E402
 from dghard_cli.errors import InputError  # noqa: E402
 from dghard_cli.inspection import InspectOptions, inspect_pair  # noqa: E402
-from dghard_cli.lora.config import KNOWN_KEYS  # noqa: E402
+from dghard_cli.lora.config_keys import KNOWN_KEYS, _fields_from_source, installed_peft_fields  # noqa: E402
 from dghard_cli.lora.output import LoraOutputOptions  # noqa: E402
 from dghard_cli.merging import MergeOptions, merge  # noqa: E402
 from dghard_cli.repairing import RepairOptions, repair  # noqa: E402
@@ -510,16 +510,28 @@ def test_inspect_reads_an_adapter_as_its_merged_update(bases, tmp_path):
 
 
 def test_audit_lora_knows_every_key_peft_writes(bases, tmp_path):
+    """A canary on the pinned PEFT: every field of its LoraConfig is in the audit's table, the
+    installed release's fields read from its source are the dataclass's, and an adapter it saves
+    gets no config finding, at ``--fail-on warn`` too (PEFT 0.22's ``astra_config`` was called a
+    typo of ``kasa_config``)."""
     fields = {f.name for f in dataclasses.fields(LoraConfig)}
     assert fields <= KNOWN_KEYS, sorted(fields - KNOWN_KEYS)
+    import peft
+
+    root = Path(peft.__file__).parent
+    assert _fields_from_source(root) == fields
+    installed = installed_peft_fields()
+    assert installed is not None and installed.fields == fields and installed.version == peft.__version__
     ad = make_adapter(
         "llama", bases["llama"], tmp_path / "ad", seed=13, r=4, lora_alpha=8, target_modules=["q_proj"]
     )
     raw = json.loads((ad / "adapter_config.json").read_text())
-    assert "kasa_config" in raw  # PEFT 0.21 writes it
+    assert set(raw) <= fields | {"peft_type", "auto_mapping", "task_type", "revision"}
     doc = audit_lora(str(ad), str(bases["llama"]))
     assert [f["code"] for f in doc["findings"] if f["code"].startswith("CONFIG_")] == []
     assert [f for f in doc["findings"] if f["level"] in ("error", "warn")] == []
+    res = run_dghard("audit-lora", ad, "--base", bases["llama"], "--fail-on", "warn")
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 # -- refusals ---------------------------------------------------------------------------------------------------

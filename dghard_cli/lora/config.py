@@ -3,13 +3,13 @@ valid regex), with one-line errors naming the file and key."""
 
 from __future__ import annotations
 
-import difflib
 import math
 import re
 from dataclasses import dataclass, field
 
 from dghard_cli.errors import InputError
 from dghard_cli.io.patterns import PLAIN_PATTERN, bounded, pattern_problem, reset_budgets
+from dghard_cli.lora.config_keys import key_findings
 from dghard_cli.lora.findings import Finding, finding
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -27,60 +27,6 @@ PICKLE_HINT = (
     "save_file; sd = torch.load('DIR/adapter_model.bin', weights_only=True); "
     "save_file({k: v.contiguous() for k, v in sd.items()}, 'DIR/adapter_model.safetensors')\"` "
     "(weights_only=True refuses code; PeftModel.save_pretrained(DIR, safe_serialization=True) also works)"
-)
-
-
-#: Keys of PEFT's LoraConfig and PeftConfig across releases (unknown keys are reported, not refused):
-#: every field of ``peft.LoraConfig`` in PEFT 0.21.2 (tests/test_lora_peft.py checks the installed
-#: PEFT against this list), plus keys earlier releases wrote (``merge_weights``, ``enable_lora``:
-#: PEFT 0.2).
-KNOWN_KEYS = frozenset(
-    {
-        "kasa_config",
-        "merge_weights",
-        "enable_lora",
-        "peft_type",
-        "task_type",
-        "inference_mode",
-        "base_model_name_or_path",
-        "revision",
-        "auto_mapping",
-        "peft_version",
-        "r",
-        "target_modules",
-        "exclude_modules",
-        "lora_alpha",
-        "lora_dropout",
-        "fan_in_fan_out",
-        "bias",
-        "use_rslora",
-        "modules_to_save",
-        "init_lora_weights",
-        "layers_to_transform",
-        "layers_pattern",
-        "rank_pattern",
-        "alpha_pattern",
-        "megatron_config",
-        "megatron_core",
-        "trainable_token_indices",
-        "loftq_config",
-        "eva_config",
-        "corda_config",
-        "lora_ga_config",
-        "monteclora_config",
-        "velora_config",
-        "arrow_config",
-        "use_dora",
-        "use_qalora",
-        "qalora_group_size",
-        "use_bdlora",
-        "layer_replication",
-        "runtime_config",
-        "lora_bias",
-        "target_parameters",
-        "alora_invocation_tokens",
-        "ensure_weight_tying",
-    }
 )
 
 
@@ -422,31 +368,7 @@ def parse_config(raw: object, where: str) -> tuple[LoraConfig, list[Finding]]:
         else:
             invalid(key, f"{key} must be a string, not {v!r}.")
 
-    known = sorted(KNOWN_KEYS)
-    for key in raw:
-        if key in KNOWN_KEYS:
-            continue
-        close = difflib.get_close_matches(key, known, n=1, cutoff=0.85)
-        if close:
-            out.append(
-                finding(
-                    "CONFIG_KEY_TYPO",
-                    None,
-                    f"config key {key!r} is unknown and PEFT ignores it; did you mean {close[0]!r}?",
-                    key=key,
-                    suggestion=close[0],
-                )
-            )
-        else:
-            out.append(
-                finding(
-                    "CONFIG_UNKNOWN_KEY",
-                    None,
-                    f"config key {key!r} is not a LoRA setting known to this audit; PEFT releases "
-                    "that do not know it either ignore it or refuse the config.",
-                    key=key,
-                )
-            )
+    out += key_findings(raw)
     return cfg, out
 
 

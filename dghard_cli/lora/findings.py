@@ -48,7 +48,10 @@ CODES: dict[str, tuple[str, str]] = {
     "BASE_MODULE_MISSING": ("error", "the base has no weight for an adapted module (`--base`)"),
     "BASE_SHAPE_MISMATCH": ("error", "a module's update does not fit the base weight's shape (`--base`)"),
     # -- warnings: probably not what the author meant ---------------------------------------------
-    "CONFIG_KEY_TYPO": ("warn", "an unknown config key close to a known one (PEFT ignores it)"),
+    "CONFIG_KEY_TYPO": (
+        "warn",
+        "an unknown config key, set, within two edits of a known one (PEFT ignores it)",
+    ),
     "PATTERN_UNMATCHED": ("warn", "a `rank_pattern`/`alpha_pattern` key matches no adapted module"),
     "TARGET_UNMATCHED": ("warn", "a `target_modules` entry matches no module with weights in the file"),
     "MODULE_WEIGHTS_MISSING": (
@@ -70,7 +73,14 @@ CODES: dict[str, tuple[str, str]] = {
     "BASE_NAME_MISMATCH": ("warn", "the declared `base_model_name_or_path` is not the base given (`--base`)"),
     "BASE_REVISION_MISMATCH": ("warn", "the declared `revision` is not the `--base-revision` given"),
     # -- information ------------------------------------------------------------------------------
-    "CONFIG_UNKNOWN_KEY": ("info", "a config key this audit does not know (newer PEFT, or a custom key)"),
+    "CONFIG_UNKNOWN_KEY": (
+        "info",
+        "a config key known neither to this audit nor to the installed PEFT (newer PEFT, or a custom key)",
+    ),
+    "CONFIG_KEY_UNCHECKED": (
+        "info",
+        "a config key the installed PEFT knows but this audit does not check, set to a value",
+    ),
     "RSLORA_SCALING": ("info", "`use_rslora`: updates are scaled by α/√r, not α/r"),
     "BASE_UNDECLARED": ("info", "the config does not name its base model"),
     "BASE_REVISION_UNVERIFIED": ("info", "the config pins a base revision that this run cannot compare"),

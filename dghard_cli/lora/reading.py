@@ -44,7 +44,7 @@ UNSUPPORTED_KEYS = {
 }
 
 #: ``init_lora_weights`` values whose saved update is relative to a modified base.
-UNSUPPORTED_INIT = ("pissa", "olora", "corda", "loftq")
+UNSUPPORTED_INIT = ("pissa", "olora", "corda", "loftq", "astra", "lora_ga")
 
 #: CONFIG_INVALID findings on these keys change what the weights mean: refused.
 WEIGHT_KEYS = {"peft_type", "lora_alpha", "use_rslora", "use_dora", "fan_in_fan_out", "lora_bias"}
