@@ -219,6 +219,73 @@ def test_lm_eval_args_that_lm_eval_itself_would_refuse_are_refused_up_front():
     assert spec.args == ("-L", "3", "-adtype=float32", "--include_path", "/tmp", "-sx")
 
 
+@pytest.mark.parametrize(
+    "args",
+    [
+        """-a='{"pretrained":"decoy"}'""",
+        """-sa'{"pretrained":"decoy"}'""",
+        """--model_args '{"dtype":"float32","pretrained":"decoy"}'""",
+        """--model_args='{"pre\\u0074rained":"decoy"}'""",  # a JSON escape lm-eval decodes
+        """-a dtype=float32 '{"pretrained":"decoy"}'""",
+    ],
+)
+def test_json_model_args_are_read_as_lm_eval_reads_them(args):
+    """lm-eval merges a JSON object given to --model_args over the template's
+    pretrained={model}: every evaluation loaded the decoy, and the sweep chose on its scores."""
+    with pytest.raises(InputError, match=re.escape("pretrained=...")):
+        L.LmEvalSpec.parse("arc_easy", args)
+
+
+def test_json_model_args_without_pretrained_pass_through_whole():
+    spec = L.LmEvalSpec.parse("arc_easy", """--model_args '{"dtype": "float32"}' -a max_length=64""")
+    assert spec.model_args == "max_length=64"
+    assert spec.args == ("--model_args", '{"dtype": "float32"}')
+    assert """--model_args '{"dtype": "float32"}'""" in L.template(spec, "cpu")
+    with pytest.raises(InputError, match="not valid JSON"):
+        L.LmEvalSpec.parse("arc_easy", """-a '{dtype: float32}'""")
+
+
+def test_the_option_table_is_the_installed_lm_evals():
+    """A canary on the pinned lm-eval: the table read from its parser is the built-in one (which
+    stands in only where that release's table cannot be read)."""
+    from dghard_cli.sweeping import lm_eval_options as O
+
+    version, table, why = O.read_installed()
+    assert why is None and table is not None, why
+    assert dict(table) == dict(O.BUILT_IN_OPTIONS)
+    assert O.option_table().table == table and O.option_table().version == version
+
+
+def test_an_lm_eval_whose_options_differ_is_read_or_refused_in_one_line(monkeypatch):
+    from dghard_cli.sweeping import lm_eval_options as O
+
+    def installed(version, table, why=None):
+        monkeypatch.setattr(O, "read_installed", lambda python=None: (version, table, why))
+        O.option_table.cache_clear()
+
+    try:
+        # a newer release with a new spelling of the output path: read from it, refused
+        newer = tuple((o + ("--out_dir",) if "--output_path" in o else o, n) for o, n in O.BUILT_IN_OPTIONS)
+        installed("0.5.0", newer)
+        with pytest.raises(InputError, match="--out_dir is lm-eval's --output_path"):
+            L.LmEvalSpec.parse("arc_easy", "--out_dir /elsewhere")
+        # its table cannot be read: the built-in one stands in for its own release only
+        installed(O.BUILT_IN_RELEASE, None, "ImportError: no _cli")
+        assert L.LmEvalSpec.parse("arc_easy", "-L 3").args == ("-L", "3")
+        installed("0.5.0", None, "ImportError: no _cli")
+        with pytest.raises(InputError) as e:
+            L.LmEvalSpec.parse("arc_easy", "-L 3")
+        msg = str(e.value)
+        assert "lm-eval 0.5.0" in msg and f"lm-eval=={O.BUILT_IN_RELEASE}" in msg and "\n" not in msg
+        assert L.LmEvalSpec.parse("arc_easy").args == ()  # nothing to read: nothing refused
+        # a release without an option the template writes
+        installed("0.5.0", tuple((o, n) for o, n in O.BUILT_IN_OPTIONS if "--device" not in o))
+        with pytest.raises(InputError, match="has no --device"):
+            L.LmEvalSpec.parse("arc_easy", "-L 3")
+    finally:
+        O.option_table.cache_clear()
+
+
 def test_a_task_that_is_a_file_must_be_a_task_yaml(tmp_path):
     """--lm-eval notes.txt counted as a task (an existing file) and failed after evaluating."""
     notes = tmp_path / "notes.txt"

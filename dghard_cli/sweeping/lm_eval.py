@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dghard_cli.errors import InputError
+from dghard_cli.sweeping.lm_eval_options import check_as_lm_eval_reads, model_arg_keys, option_table
 
 #: The backends ``--lm-eval-model`` accepts.
 BACKENDS = ("hf", "vllm")
@@ -48,32 +49,6 @@ _OWNED = {
     "--device": "the sweep's --device",
 }
 _MODEL_ARGS = ("--model_args", "-a")
-#: lm-eval's ``run`` options as its argument parser reads them (lm_eval 0.4.13,
-#: ``lm_eval/_cli/run.py``): option strings and nargs (0: a flag). Arguments are checked with a
-#: parser built from this table, so every spelling argparse accepts is seen as lm-eval sees it:
-#: ``-oDIR``, ``-o=DIR``, ``--o`` (an abbreviation), ``-apretrained=x``, ``-wMvllm`` (flags
-#: joined to an option).
-_LM_EVAL_OPTIONS: tuple[tuple[tuple[str, ...], int | str | None], ...] = (
-    (("--config", "-C"), None), (("--tasks", "-t"), "+"), (("--model", "-M"), None),
-    (("--model_args", "-a"), "+"), (("--apply_chat_template",), "?"), (("--limit", "-L"), None),
-    (("--use_cache", "-c"), None), (("--num_fewshot", "-f"), None), (("--batch_size", "-b"), None),
-    (("--max_batch_size",), None), (("--device",), None), (("--gen_kwargs",), "+"),
-    (("--output_path", "-o"), None), (("--log_samples", "-s"), 0), (("--samples", "-E"), None),
-    (("--cache_requests",), "?"), (("--check_integrity",), 0), (("--system_instruction",), None),
-    (("--fewshot_as_multiturn",), "?"), (("--include_path",), None), (("--verbosity", "-v"), None),
-    (("--write_out", "-w"), 0), (("--show_config",), 0), (("--wandb_args",), "+"),
-    (("--wandb_config_args",), "+"), (("--trackio_args",), "+"), (("--hf_hub_log_args",), "+"),
-    (("--predict_only", "-x"), 0), (("--seed",), None), (("--trust_remote_code",), 0),
-    (("--confirm_run_unsafe_code",), 0), (("--metadata",), "+"),
-)  # fmt: skip
-#: What the template owns, by lm-eval's destination (``--config`` could set any of them).
-_OWNED_DESTS = {
-    "model": ("--model", "--lm-eval-model"),
-    "tasks": ("--tasks", "--lm-eval"),
-    "output_path": ("--output_path", "the sweep ({output})"),
-    "device": ("--device", "the sweep's --device"),
-    "config": ("--config", "the sweep (a config file can set the model, tasks and output path)"),
-}
 _INSTALL = "pip install 'dghard[lm-eval]'"
 #: Seconds the task lookup may take (lm-eval indexes every built-in task's YAML file).
 CHECK_TIMEOUT_S = 300.0
@@ -128,16 +103,18 @@ class LmEvalSpec:
                     if i >= len(words):
                         raise InputError(f"--lm-eval-args: {name} needs a value (key=value,...)")
                     value = words[i]
-                keys = [kv.split("=", 1)[0].strip() for kv in value.split(",")]
-                if "pretrained" in keys:
+                if "pretrained" in model_arg_keys(value):
                     raise InputError(
                         "--lm-eval-args: --model_args pretrained=... is set by the sweep (each candidate's directory)"
                     )
-                model_args.append(value.strip(","))
+                if value.strip().startswith("{"):  # a JSON object: lm-eval merges it over the template's
+                    rest += [name, value]
+                else:
+                    model_args.append(value.strip(","))
             else:
                 rest.append(w)
             i += 1
-        _check_as_lm_eval_reads(words)
+        check_as_lm_eval_reads(words)
         for n in names:
             _check_task_path(n)
         return cls(tuple(dict.fromkeys(names)), tuple(rest), model, ",".join(a for a in model_args if a))
@@ -160,64 +137,6 @@ class LmEvalSpec:
             "model_args": self.model_args or None,
             "args": list(self.args),
         }
-
-
-def _mirror_parser():
-    import argparse
-
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):  # type: ignore[override]
-            raise InputError(f"--lm-eval-args: lm-eval would refuse it ({message})")
-
-    parser = Parser(add_help=False, allow_abbrev=True, exit_on_error=False)
-    for opts, nargs in _LM_EVAL_OPTIONS:
-        if nargs == 0:
-            parser.add_argument(*opts, action="store_true", default=argparse.SUPPRESS)
-        else:
-            const = True if nargs == "?" else None
-            parser.add_argument(*opts, nargs=nargs, const=const, action="append", default=argparse.SUPPRESS)
-    return parser
-
-
-def _check_as_lm_eval_reads(words: list[str]) -> None:
-    """InputError when lm-eval would read ``words`` as setting what the template owns, in any
-    spelling its argument parser accepts (each option word is parsed alone to name it)."""
-    import argparse
-
-    parser = _mirror_parser()
-    for w in words:
-        if not w.startswith("-") or w == "-" or w == "--":
-            continue
-        try:
-            ns, _ = parser.parse_known_args([w, "x"])
-        except (InputError, argparse.ArgumentError):
-            ns = argparse.Namespace()
-        for dest, (option, owner) in _OWNED_DESTS.items():
-            if hasattr(ns, dest):
-                raise InputError(
-                    f"--lm-eval-args: {w} is lm-eval's {option}, which is set by {owner}; leave it out"
-                )
-        for values in getattr(ns, "model_args", []):
-            given = [v for v in values if v != "x"] or values
-            keys = [kv.split("=", 1)[0].strip() for v in given for kv in str(v).split(",")]
-            if "pretrained" in keys:
-                raise InputError(
-                    f"--lm-eval-args: {w} sets --model_args pretrained=..., which the sweep sets "
-                    "(each candidate's directory)"
-                )
-    # the whole list, as lm-eval reads it: --model_args takes several values (nargs "+"), so
-    # "--model_args dtype=x pretrained=y" sets pretrained too; and what lm-eval would refuse
-    ns, _ = parser.parse_known_args(words)
-    keys = [
-        kv.split("=", 1)[0].strip()
-        for vs in getattr(ns, "model_args", [])
-        for v in vs
-        for kv in str(v).split(",")
-    ]
-    if "pretrained" in keys:
-        raise InputError(
-            "--lm-eval-args: --model_args pretrained=... is set by the sweep (each candidate's directory)"
-        )
 
 
 #: What lm-eval loads a task from when the name is a path.
@@ -250,6 +169,7 @@ def check(spec: LmEvalSpec, *, python: str | None = None) -> None:
     is unknown to lm-eval (named, with close names)."""
     if importlib.util.find_spec("lm_eval") is None:
         raise InputError(f"--lm-eval: lm-evaluation-harness is not installed here ({_INSTALL})")
+    option_table()  # refuses an lm-eval without an option the evaluation command passes
     if spec.model == "vllm" and importlib.util.find_spec("vllm") is None:
         raise InputError("--lm-eval-model vllm: vllm is not installed here (pip install vllm), or use hf")
     include = spec.include_path()
