@@ -344,7 +344,19 @@ def _numbers_target():
         rng = random.Random(case["seed"])
         out = root / "num-out"
         ft = root / ("num-adapter" if case["kind"].startswith("adapter") else "ft")
-        if case["kind"] == "strength" or rng.random() < 0.5:
+        if case["kind"] == "strength" and ft.name == "ft" and rng.random() < 0.6:
+            # strengths taken as a whole, in any position: huge weights, tiny lambdas, huge alphas
+            # (--weights 1,1e300 was an internal error where 1e300,1 was refused)
+            big = [1e308, 1e300, 3.5e38, 1e38, 1.0, 0.5, 1e-300, 0.0]
+            method = rng.choice(["task-arithmetic", "ties", "dare-linear", "dg-hard", "tsv", "wudi", "iso-c"])
+            if method in ("tsv", "wudi", "iso-c"):
+                opts = MergeOptions(method=method, alpha=rng.choice(big[:5]))
+            else:
+                weights = [rng.choice(big) for _ in range(2)]
+                kw = {"seed": 1} if method == "dare-linear" else {}
+                opts = MergeOptions(method=method, weights=weights, lam=rng.choice([*big[:5], 1e-300]), **kw)
+            merge(root / "base", [ft, ft], out, opts)
+        elif case["kind"] == "strength" or rng.random() < 0.5:
             lam = rng.choice([1e308, 1e38, 1e30, 3.4e38, 1.0])
             fmt = rng.choice(["full", "peft"]) if ft.name == "num-adapter" else "full"
             opts = MergeOptions(method="task-arithmetic", lam=lam, lora=LoraOutputOptions(format=fmt))
@@ -372,8 +384,27 @@ HOSTILE_TEXT = [
     "cpu=1e400", "gpu=2.5", "mem=1e30T", "=", "a=b=c", "http://127.0.0.1:8265", "file:///etc", "ray://",
     "[::1", "host:99999999999999999999", "auto", "local", "-oDIR", "-apretrained=x", "--o x", "-C c.yaml",
     "--model_args dtype=x pretrained=y", "'unclosed", "notes.txt", "../../etc/passwd", "x{model}",
+    """-a='{"pretrained":"decoy"}'""", """-sa'{"pretrained":"d"}'""", """-a '{"pre\\u0074rained":"d"}'""",
+    """--model_args '{"dtype":"float32"}'""", "-a '{dtype: x}'", "-a dtype=x '{\"pretrained\":\"d\"}'",
     "{output}", "{model} {output} {device}", "\x00",
 ]  # fmt: skip
+
+
+def _never_sets_pretrained(spec) -> None:
+    """An accepted --lm-eval-args never makes lm-eval load another model than the candidate:
+    no model argument it would read (key=value or a JSON object's keys) is ``pretrained``."""
+    import argparse
+
+    from dghard_cli.sweeping.lm_eval_options import mirror_parser, model_arg_keys, option_table
+
+    table = option_table().table
+    assert table is not None
+    ns, _ = mirror_parser(table).parse_known_args(list(spec.args))
+    keys = [k for vs in getattr(ns, "model_args", []) for v in vs for k in model_arg_keys(v)]
+    keys += [kv.split("=", 1)[0].strip() for kv in spec.model_args.split(",") if spec.model_args]
+    if "pretrained" in keys:
+        raise AssertionError(f"--lm-eval-args {spec.args!r} / {spec.model_args!r} sets pretrained")
+    assert isinstance(ns, argparse.Namespace)
 
 
 def _candidates_target():
@@ -389,6 +420,8 @@ def _candidates_target():
         "  density: [0.2, 0.5]\n  lines: [[0.5, 1.0]]\n  tolerance: 0.02\n"
     )
     keys = ["grid", "range", "density", "tolerance", "lines", "family", "methods", "exclude", "refine"]
+    # a method both swept with a grid of its own and excluded (it was dropped without a word)
+    both = "  exclude: [tsv]\n"
 
     def prepare(root: Path) -> None:
         (root / "cands.yaml").write_text(valid)
@@ -396,8 +429,10 @@ def _candidates_target():
     def mutate(rng: random.Random, root: Path) -> str:
         p = root / "cands.yaml"
         text = p.read_text()
-        kind = rng.choice(["truncate", "tag", "garbage", "value", "list-value", "anchor"])
-        if kind == "truncate":
+        kind = rng.choice(["truncate", "tag", "garbage", "value", "list-value", "anchor", "excluded"])
+        if kind == "excluded":
+            text += both
+        elif kind == "truncate":
             text = text[: rng.randrange(0, len(text))]
         elif kind == "tag":
             text += "evil: !!python/object/apply:os.system ['echo pwned']\n"
@@ -422,7 +457,13 @@ def _candidates_target():
         return "candidates-" + kind
 
     def execute(root: Path) -> None:
-        load_candidates(root / "cands.yaml")
+        text = (root / "cands.yaml").read_text()
+        try:
+            load_candidates(root / "cands.yaml")
+        except DGHardError:
+            raise
+        if text.endswith(both) and "tsv: {grid" in text:
+            raise AssertionError("a method under both methods: and exclude: was accepted")
 
     return prepare, mutate, execute
 
@@ -471,7 +512,8 @@ def _sweep_options_target():
                 case[k] = float(case[k])
         tasks, args = case.pop("lm_eval_tasks", None), case.pop("lm_eval_args", None)
         if tasks is not None or args is not None:
-            LmEvalSpec.parse(tasks if tasks is not None else "arc_easy", args)
+            spec = LmEvalSpec.parse(tasks if tasks is not None else "arc_easy", args)
+            _never_sets_pretrained(spec)
         template = case.pop("eval_template", "python eval.py {model} {output}")
         if case.get("executor") == "ray" and "ray_address" not in case:
             case["executor"] = "local"  # a private Ray cluster takes seconds to start

@@ -809,7 +809,7 @@ def test_c3_outputs_never_land_on_inputs(template, tmp_path, row):
 # -- 3 and 7: the sweep judges, and keeps, exactly what it wrote --------------------------------------
 
 SWEEP_EVAL = r"""
-import json, os, sys
+import json, os, sys, time
 from pathlib import Path
 model, output = sys.argv[1], sys.argv[2]
 name = os.environ["DGHARD_CANDIDATE"]
@@ -847,7 +847,23 @@ else:
             p = subprocess.Popen([sys.executable, "-c", child, model, os.environ["SWEEP_OUT"]])
             Path(os.environ["SWEEP_CHILD_PID"]).write_text(str(p.pid))
             res = {"x": 44.0 + s, "y": 68.0 - s}  # its scores are its own: only the child writes
-        res = {"x": 90.0, "y": 90.0}  # a tampered candidate would win
+        elif how == "daemon":  # the same child as a daemon: double fork and setsid, out of the group
+            if os.fork() == 0:
+                os.setsid()
+                if os.fork() == 0:
+                    os.chdir(model)
+                    Path(os.environ["SWEEP_CHILD_PID"]).write_text(str(os.getpid()))
+                    t = time.time()
+                    while not os.path.exists(os.environ["SWEEP_OUT"]) and time.time() < t + 30:
+                        time.sleep(0.05)
+                    time.sleep(0.5)
+                    open("planted.txt", "w").write("daemon")
+                os._exit(0)
+            while not Path(os.environ["SWEEP_CHILD_PID"]).exists():
+                time.sleep(0.01)
+            res = {"x": 44.0 + s, "y": 68.0 - s}
+        if how != "daemon":
+            res = {"x": 90.0, "y": 90.0}  # a tampered candidate would win
 Path(output).write_text(json.dumps(res))
 """
 
@@ -924,6 +940,46 @@ def test_a_child_the_evaluation_leaves_running_cannot_write_into_out(template, t
     assert not (out / "planted.txt").exists()
     v = run_dghard("verify", out)
     assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_a_daemon_the_evaluation_double_forks_is_ended_with_it(template, tmp_path):
+    """An evaluation that double-forks a daemon (``setsid``: out of its process group, as servers
+    and uploaders do) left it running after dghard exited; it rewrote OUT. The reaper the
+    command runs under adopts it (a child subreaper) and ends it when the command exits."""
+    base, ft = fresh_pair(template, tmp_path)
+    out, pid_file = tmp_path / "out", tmp_path / "child.pid"
+    env = {"SWEEP_TAMPER_ON": "scale=3.0", "SWEEP_TAMPER": "daemon", "SWEEP_CHILD_PID": str(pid_file)}
+    r = _sweep(tmp_path, base, ft, out, {**env, "SWEEP_OUT": str(out / "sweep_report.json")})
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    pid = int(pid_file.read_text())
+    status = Path(f"/proc/{pid}/status")
+    assert not status.exists() or "zombie" in status.read_text(), "the daemon outlived the sweep"
+    time.sleep(1.0)  # it would have written 0.5 s after OUT appeared
+    assert not (out / "planted.txt").exists()
+    v = run_dghard("verify", out)
+    assert v.returncode == 0, v.stdout + v.stderr
+
+
+def test_the_reaper_ends_descendants_outside_the_group_on_timeout_too(tmp_path):
+    from dghard_cli.sweeping.evaluate import run_command
+
+    pid_file = tmp_path / "daemon.pid"
+    cmd = (
+        f'{sys.executable} -c "import os, time; os.fork() and os._exit(0); os.setsid(); '
+        f"os.fork() and os._exit(0); open('{pid_file}', 'w').write(str(os.getpid())); time.sleep(60)\"; "
+        "sleep 60"
+    )
+    run = run_command(cmd, tmp_path, tmp_path / "o.json", tmp_path / "logs", timeout=2.0, label="x")
+    assert run.status == "timeout"
+    pid = int(pid_file.read_text())
+    status = Path(f"/proc/{pid}/status")
+    assert not status.exists() or "zombie" in status.read_text(), "the daemon outlived the timeout"
+    run = run_command(cmd.replace("sleep 60", "true").replace("time.sleep(60)", "time.sleep(30)"),
+                      tmp_path, tmp_path / "o.json", tmp_path / "logs2", timeout=None, label="y")  # fmt: skip
+    assert run.status == "ok" and run.leftovers
+    pid = int(pid_file.read_text())
+    status = Path(f"/proc/{pid}/status")
+    assert not status.exists() or "zombie" in status.read_text(), "the daemon outlived the command"
 
 
 def test_keep_candidates_never_keeps_one_its_evaluation_changed(template, tmp_path):

@@ -7,6 +7,7 @@ import json
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 from typer.testing import CliRunner
 
@@ -554,3 +555,84 @@ def test_a_merges_block_number_past_float_range_is_not_a_number():
     ):
         with pytest.raises(InputError):
             parse_candidates(doc, "c.yaml")
+
+
+# --- strengths taken as a whole, never by position -------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["task-arithmetic", "ties", "dare-linear", "breadcrumbs", "dg-hard"])
+@pytest.mark.parametrize("weights", ["1,1e300", "1e300,1"])
+def test_a_huge_weight_is_refused_or_merged_whatever_its_position(pair, tmp_path, method, weights):
+    """``--weights 1,1e300`` was an internal error (torch's ``add_(x, alpha=1e300)`` on a float32
+    accumulator) while ``1e300,1`` was refused: the outcome depended on the weight's position."""
+    base, ft = pair
+    extra = ["--seed", "1"] if method.startswith("dare") else []
+    r = invoke(
+        "merge", "--method", method, "--weights", weights, *extra, base, ft, ft, "--out", tmp_path / "o"
+    )
+    if method == "ties":  # a normalised mean: the weights' scale does not matter, the merge is finite
+        assert r.exit_code == 0, r.output
+        return
+    msg = one_line_error(r)
+    assert "overflow" in msg and "lower the strengths" in msg and "internal error" not in msg
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize(
+    ("method", "same"),
+    [
+        ("task-arithmetic", ["--weights", "1,1"]),
+        ("dg-hard", ["--weights", "1,1"]),
+        ("ties", ["--weights", "1,1", "--lambda", "1e-300"]),  # a weighted mean: λ alone scales it
+    ],
+)
+def test_huge_weights_times_a_tiny_lambda_are_the_finite_merge_they_denote(pair, tmp_path, method, same):
+    """``--weights 1e300,1e300 --lambda 1e-300``: each task vector's coefficient λ·w is 1, the
+    same merge as ``--weights 1,1`` (it was an internal error); TIES' mean does not depend on
+    the weights' scale."""
+    from safetensors.numpy import load_file
+
+    base, ft = pair
+    outs = {}
+    for name, args in (
+        ("huge", ["--weights", "1e300,1e300", "--lambda", "1e-300"]),
+        ("plain", same),
+    ):
+        r = invoke(
+            "merge", "--method", method, *args, base, ft, ft, "--dtype", "fp64", "--out", tmp_path / name
+        )
+        assert r.exit_code == 0, r.output
+        outs[name] = {}
+        for f in sorted((tmp_path / name).glob("*.safetensors")):
+            outs[name].update(load_file(f))
+    assert outs["huge"].keys() == outs["plain"].keys()
+    for k in outs["plain"]:
+        np.testing.assert_allclose(outs["huge"][k], outs["plain"][k], rtol=1e-12, atol=0, err_msg=k)
+
+
+def test_effective_strengths_keep_the_coefficients_and_the_bits_in_range():
+    import torch
+
+    from dghard_cli.methods.coefficients import effective_strengths
+    from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
+    from dghard_cli.methods.ties import ties_delta
+
+    assert effective_strengths([0.3, 2.0], 0.7, torch.float32) == ([0.3, 2.0], 0.7)  # in range: as given
+    ws, lam = effective_strengths([1e300, 2e300], 1e-300, torch.float32)
+    assert ws == [0.5, 1.0] and lam == pytest.approx(2.0)
+    assert effective_strengths([1.0, 1e300], 3.0, torch.float32, scale_free=True) == ([1e-300, 1.0], 3.0)
+    rng = np.random.default_rng(0)
+    d = [rng.standard_normal((4, 5)).astype(np.float32) for _ in range(2)]
+    got = task_arithmetic_delta([torch.from_numpy(x) for x in d], [1e300, 3e300], 1e-300)
+    want = d[0].astype(np.float64) + 3 * d[1].astype(np.float64)
+    np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
+    # TIES' weighted disjoint mean with weights (1, 1e300): where both agree, the second delta
+    t = [torch.from_numpy(x) for x in d]
+    got = ties_delta([x.clone() for x in t], [1.0, 1e300], 1.0).numpy().astype(np.float64)
+    d64 = [x.astype(np.float64) for x in d]
+    sign = np.where(d64[0] * 1e-300 + d64[1] >= 0, 1.0, -1.0)
+    agree = [(np.sign(x) == sign) & (x != 0) for x in d64]
+    num = d64[0] * agree[0] * 1e-300 + d64[1] * agree[1]
+    den = agree[0] * 1e-300 + agree[1] * 1.0
+    want = np.where(den > 0, num / np.where(den > 0, den, 1), 0.0)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)

@@ -533,6 +533,10 @@ def test_every_registered_method_with_a_sweep_axis_joins_the_default_set(monkeyp
         ({"grid": [0.3], "range": [1.0, 0.5]}, "'range' must be [low, high]"),
         ({"grid": [2.0], "range": [0.1, 1.5]}, "outside range"),
         ({"grid": [0.3], "range": [0.1, 1.5], "exclude": ["magic"]}, "is not a merge method"),
+        (  # as the default file's comment once invited: listed to be swept, and dropped silently
+            {"grid": [0.3], "range": [0.1, 1.5], "methods": {"star": {"grid": [0.5]}}, "exclude": ["star"]},
+            "star is under both 'methods' and 'exclude'",
+        ),
         ({"grid": [0.3], "range": [0.1, 1.5], "lines": [[0.5]]}, "is not a pair"),
         ({"grid": [0.3], "range": [0.1, 1.5], "density": [1.5]}, "must be in (0, 1]"),
         ({"grid": [0.3], "range": [0.1, 1.5], "colour": 1}, "unknown key 'colour'"),

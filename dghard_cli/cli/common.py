@@ -206,6 +206,23 @@ def _fail(message: str, code: int) -> None:
     raise typer.Exit(code)
 
 
+def command_options() -> frozenset[str] | None:
+    """The options of the command running now (None outside a click command): an error's advice
+    names an option only where the command has it."""
+    import importlib
+
+    # typer >= 0.20 runs commands on a click of its own (typer._click), others on click itself
+    for module in ("typer._click.globals", "click.globals"):
+        try:
+            ctx = importlib.import_module(module).get_current_context(silent=True)
+        except (ImportError, AttributeError):
+            continue
+        if ctx is not None:
+            params = ctx.command.params
+            return frozenset(o for p in params for o in (*p.opts, *p.secondary_opts) if o.startswith("--"))
+    return None
+
+
 def run_cli(fn: Callable[[], Any], *, verbose: bool) -> Any:
     """Run a command body, mapping errors to one-line messages and exit codes.
 
@@ -219,7 +236,7 @@ def run_cli(fn: Callable[[], Any], *, verbose: bool) -> Any:
     except DGHardError as exc:
         if verbose:
             traceback.print_exc()
-        _fail(str(exc), exc.exit_code)
+        _fail(exc.text_for(command_options()), exc.exit_code)
     except KeyboardInterrupt:
         _fail("interrupted (run the same command again to resume)", 3)
     except typer.Exit:

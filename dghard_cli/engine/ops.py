@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.errors import InputError
+from dghard_cli.errors import KEEP_NONFINITE, Advice, InputError
 from dghard_cli.io.checkpoint import TensorInfo
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES, torch_dtype
 
@@ -133,10 +133,8 @@ def base_record(job: TensorJob) -> dict:
     return rec
 
 
-#: What the user can change when computed values leave the output dtype's range.
-STRENGTH_HINT = (
-    "lower the strengths (--lambda, --alpha, --weights, a layer schedule's or a recipe's weight/strength)"
-)
+#: The options that scale a computed update (each command names those it has).
+STRENGTH_OPTIONS = ("--lambda", "--alpha", "--weights", "--lines", "--layer-strengths")
 #: The next wider output dtype (its --dtype spelling); float64 has none.
 _WIDER = {
     "BF16": "fp32",
@@ -148,11 +146,13 @@ _WIDER = {
 }
 
 
-def strength_hint(dtype: object) -> str:
-    """:data:`STRENGTH_HINT`, and a wider output where one exists above ``dtype`` (the output's
-    safetensors name or a torch dtype): "--dtype fp32" was advised to a float32 output."""
+def strength_advice(dtype: object) -> Advice:
+    """What the user can change when computed values leave ``dtype``'s range: the strengths,
+    and a wider output where one exists above ``dtype`` (the output's safetensors name or a
+    torch dtype): "--dtype fp32" was advised to a float32 output."""
     wider = _WIDER.get(str(dtype).removeprefix("torch."))
-    return STRENGTH_HINT + (f", or write a wider output (--dtype {wider})" if wider else "")
+    more = f", or write a wider output (--dtype {wider})" if wider else ""
+    return Advice(STRENGTH_OPTIONS, "lower the strengths ({options})" + more, sep="; ")
 
 
 class OutputRangeError(InputError):
@@ -189,7 +189,8 @@ def cast_out(t: torch.Tensor, out_dtype: str, name: str = "") -> torch.Tensor:
         big = float(t.abs().max())
         raise OutputRangeError(
             f"tensor {name!r}: computed values reach {big:.4g}, beyond {out_dtype}'s range "
-            f"({torch.finfo(target).max:.4g}); {strength_hint(out_dtype)}"
+            f"({torch.finfo(target).max:.4g})",
+            advice=strength_advice(out_dtype),
         )
     return out
 
@@ -228,8 +229,8 @@ def passthrough(
                 if not src.allow_nonfinite:
                     which = "BASE" if key == "base" else "the fine-tune"
                     raise InputError(
-                        f"tensor {job.name!r} in {which} ({info.file}) contains NaN or Inf; fix the "
-                        "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
+                        f"tensor {job.name!r} in {which} ({info.file}) contains NaN or Inf; fix the checkpoint",
+                        advice=KEEP_NONFINITE,
                     )
                 rec["nonfinite"] = True
                 comparable = False

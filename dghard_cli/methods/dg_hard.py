@@ -22,7 +22,7 @@ import torch
 from dghard_cli.engine.ops import JobInputs, cast_out, passthrough
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.scratch import Scratch, current
-from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.errors import KEEP_NONFINITE, InputError, RuntimeFailure
 from dghard_cli.io.safetensors_format import torch_dtype
 from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, Decision, decide
 from dghard_cli.spectral.routes import (
@@ -165,8 +165,8 @@ def delta_spectrum(
     finite = bool(torch.isfinite(g).all()) if gram else bool(torch.isfinite(fro2_t))
     if not finite or not bool(torch.isfinite(sumsq_ft)):
         raise NonFiniteDelta(
-            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the "
-            "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
+            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the checkpoint",
+            advice=KEEP_NONFINITE,
         )
     rms_ft = math.sqrt(float(sumsq_ft) / (rows * cols))
     kept = x if nblocks == 1 else None  # pass 2 reuses a one-block delta instead of re-forming it

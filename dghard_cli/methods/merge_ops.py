@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, OutputRangeError, all_finite, cast_out, strength_hint
+from dghard_cli.engine.ops import JobInputs, OutputRangeError, all_finite, cast_out, strength_advice
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.scratch import Scratch, current
 from dghard_cli.errors import InputError, RuntimeFailure
@@ -481,8 +481,8 @@ class ElementwiseMergeOp:
             if not math.isfinite(msq):
                 # every input and delta is finite here (checked above): the strengths overflow
                 raise OutputRangeError(
-                    f"tensor {job.name!r}: the merge's weighted deltas overflow {wd} from finite "
-                    f"inputs; {strength_hint(wd)}"
+                    f"tensor {job.name!r}: the merge's weighted deltas overflow {wd} from finite inputs",
+                    advice=strength_advice(wd),
                 )
             merged_sq += msq
             out = cast_out(merged.add_(b).cpu(), job.out_dtype, job.name)

@@ -9,9 +9,8 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs
+from dghard_cli.engine.ops import JobInputs, OutputRangeError, strength_advice
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.errors import RuntimeFailure
 from dghard_cli.methods.dg_hard import delta_spectrum, filtered_pass
 from dghard_cli.methods.merge_ops import BLOCK_BYTES, ElementwiseMergeOp, TaskArithmeticKernel, squared_norm
 from dghard_cli.spectral.decide import LOW_RANK, UNCHANGED, decide
@@ -84,7 +83,12 @@ class SpectralMergeOp:
 
         def finite(out: torch.Tensor) -> torch.Tensor:
             if not math.isfinite(squared_norm(out)):
-                raise RuntimeFailure(f"tensor {job.name!r}: the merge produced NaN/Inf; refusing to write it")
+                # every delta is finite here (its Gram matrix was checked): the strengths overflow
+                # (--weights 1,1e300 reported "the merge produced NaN/Inf", exit 3)
+                raise OutputRangeError(
+                    f"tensor {job.name!r}: the merge's weighted deltas overflow {out.dtype} from finite inputs",
+                    advice=strength_advice(out.dtype),
+                )
             return out
 
         yield from filtered_pass(

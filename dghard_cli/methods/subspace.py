@@ -46,11 +46,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dghard_cli.engine.ops import JobInputs, all_finite, cast_out, passthrough, strength_hint
+from dghard_cli.engine.ops import JobInputs, all_finite, cast_out, passthrough, strength_advice
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
 from dghard_cli.engine.scratch import Scratch, current
 from dghard_cli.engine.working_memory import machine_memory
-from dghard_cli.errors import InputError
+from dghard_cli.errors import KEEP_NONFINITE, InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
 from dghard_cli.lora.view import ComputedTensorInfo
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
@@ -158,8 +158,8 @@ class NonFiniteInput(InputError):
     @classmethod
     def of(cls, job: TensorJob) -> NonFiniteInput:
         return cls(
-            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the "
-            "checkpoint, or pass --allow-nonfinite to keep such tensors as they are"
+            f"tensor {job.name!r}: BASE or fine-tune values are NaN/Inf (or overflow); fix the checkpoint",
+            advice=KEEP_NONFINITE,
         )
 
 
@@ -311,16 +311,16 @@ class TallBlocks:
                 # the inputs are finite here (the plan refused non-finite ones): the strength
                 # overflowed (iso-c with --alpha 1e308 reported "the merge produced NaN/Inf", exit 3)
                 raise InputError(
-                    f"tensor {job.name!r}: the merged update overflows {out.dtype} from finite inputs; "
-                    f"{strength_hint(out.dtype)}"
+                    f"tensor {job.name!r}: the merged update overflows {out.dtype} from finite inputs",
+                    advice=strength_advice(out.dtype),
                 )
             cast = out.to(out_dtype)
             if work is not None and work.owns(cast):  # float64 out: the block itself, copied
                 cast = cast.clone()
             if not all_finite(cast):
                 raise InputError(
-                    f"tensor {job.name!r}: the merged values exceed {job.out_dtype}'s range; "
-                    f"{strength_hint(job.out_dtype)}"
+                    f"tensor {job.name!r}: the merged values exceed {job.out_dtype}'s range",
+                    advice=strength_advice(job.out_dtype),
                 )
             if full is None:
                 yield cast.cpu()

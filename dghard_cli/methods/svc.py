@@ -55,7 +55,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from dghard_cli.engine.ops import JobInputs, TensorOp, all_finite, cast_out, strength_hint
+from dghard_cli.engine.ops import JobInputs, TensorOp, all_finite, cast_out, strength_advice
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.engine.working_memory import machine_memory
 from dghard_cli.errors import InputError
@@ -416,8 +416,8 @@ class _TallForm:
         for g in [gram, *products, *(task_grams or [])]:
             if not bool(torch.isfinite(g).all()):
                 raise InputError(
-                    f"tensor {self.job.name!r}: the merged update's Gram matrix overflows float64; "
-                    f"{strength_hint(torch.float64)}"
+                    f"tensor {self.job.name!r}: the merged update's Gram matrix overflows float64",
+                    advice=strength_advice(torch.float64),
                 )
         norms = [math.sqrt(float(t)) for t in sumsq]
         return gram_calibration(gram, products, task_grams, norms, alpha, unit, max(self.rows, self.cols))
@@ -443,7 +443,7 @@ class _TallForm:
 def _check_finite(out: torch.Tensor, job: TensorJob) -> None:
     if not all_finite(out):
         raise InputError(
-            f"tensor {job.name!r}: the calibrated update overflows float64; {strength_hint(out.dtype)}"
+            f"tensor {job.name!r}: the calibrated update overflows float64", advice=strength_advice(out.dtype)
         )
 
 

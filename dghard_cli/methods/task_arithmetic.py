@@ -11,6 +11,8 @@ from collections.abc import Sequence
 
 import torch
 
+from dghard_cli.methods.coefficients import effective_strengths
+
 
 def weighted_sum(
     deltas: Sequence[torch.Tensor], weights: Sequence[float], *, overwrite: bool = False
@@ -34,6 +36,7 @@ def task_arithmetic_delta(
 ) -> torch.Tensor:
     """The merged delta ``λ·Σ_i w_i·Δ_i`` (add it to W_base; ``overwrite``: see
     :func:`weighted_sum`)."""
+    weights, lam = effective_strengths(weights, lam, deltas[0].dtype)
     out = weighted_sum(deltas, weights, overwrite=overwrite)
     if lam != 1.0:
         out.mul_(lam)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from dghard_cli.engine.scratch import Scratch
+from dghard_cli.methods.coefficients import effective_strengths
 
 # Scratch slots (engine.scratch) of the routes given a ``work``, named so that buffers never live
 # together share one: the selection uses ``ties.1`` (magnitudes), ``ties.2`` (bucket keys) and
@@ -261,6 +262,7 @@ def elect_sign(
     """+1/−1 per entry: the sign of ``Σ_i w_i·trimmed_i``, zero counting as +1 (in ``work``'s
     buffer when given)."""
     t0 = trimmed[0]
+    weights, _ = effective_strengths(weights, 1.0, t0.dtype, scale_free=True)  # a sign: scale-free
     if work is None:
         total = t0 * weights[0]
     else:
@@ -373,6 +375,7 @@ def ties_delta(
 ) -> torch.Tensor:
     """Sign election and disjoint mean (or sum) of already trimmed (or DARE-dropped) deltas, times
     λ. ``work``: ``trimmed`` (the caller's own) is overwritten, temporaries come from ``work``."""
+    weights, lam = effective_strengths(weights, lam, trimmed[0].dtype, scale_free=normalize)
     sign = elect_sign(trimmed, weights, work=work)
     out = disjoint_mean(trimmed, weights, sign, stats, normalize=normalize, work=work)
     if lam != 1.0:

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator
 import torch
 
 from dghard_cli.engine.ops import (
-    STRENGTH_HINT,
     JobInputs,
     OutputRangeError,
     TensorOp,
@@ -24,9 +23,10 @@ from dghard_cli.engine.ops import (
     cast_out,
     element_spans,
     passthrough,
+    strength_advice,
 )
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.errors import KEEP_NONFINITE, InputError, RuntimeFailure
 from dghard_cli.io.safetensors_format import FLOAT_DTYPES
 
 #: The dtype the wrapped method writes in (the schedule is applied before the one final cast).
@@ -104,11 +104,12 @@ class ScheduledOp:
             if bool(torch.isfinite(w).all()) and bool(torch.isfinite(b).all()):
                 raise OutputRangeError(
                     f"tensor {job.name!r}: layer {job.layer}'s strength {lam:g} (the layer schedule, "
-                    f"--layer-strengths) takes finite values past float64's range; {STRENGTH_HINT}"
+                    f"--layer-strengths) takes finite values past float64's range",
+                    advice=strength_advice(torch.float64),
                 )
             raise InputError(
-                f"tensor {job.name!r}: BASE or the fine-tune holds NaN or Inf; fix the checkpoint, "
-                "or pass --allow-nonfinite to keep such tensors as they are"
+                f"tensor {job.name!r}: BASE or the fine-tune holds NaN or Inf; fix the checkpoint",
+                advice=KEEP_NONFINITE,
             )
         if job.out_dtype == "F16" and float(out.abs().max()) > 65504.0:
             raise RuntimeFailure(

@@ -17,9 +17,11 @@ creates a directory there holding an lm-evaluation-harness ``results*.json`` (or
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -123,7 +125,8 @@ def _tail(path: Path) -> str:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """Terminate the command's process group (it leads its own session), then kill what is left."""
+    """Terminate the command's process group (it leads its own session), then kill what is left.
+    The reaper at its head ends the command's descendants outside the group meanwhile."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
     with contextlib.suppress(subprocess.TimeoutExpired):
@@ -133,13 +136,32 @@ def _kill_group(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+#: The script every evaluation command runs under (see its docstring).
+REAPER = Path(__file__).with_name("reaper.py")
+
+
+def _reaped(status: Path) -> bool:
+    """Whether the reaper ended processes the command left running (outside its group too)."""
+    try:
+        doc = json.loads(status.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("leftovers"), int) and doc["leftovers"] > 0
+
+
+def subreaper_available() -> bool:
+    """Whether the reaper can adopt what the command starts outside its process group (Linux)."""
+    return sys.platform.startswith("linux") and os.path.isdir("/proc")
+
+
 def _end_leftovers(proc: subprocess.Popen) -> bool:
     """After the command's own process has exited: end what it started and left running in its
     process group (a server, an uploader), SIGTERM then SIGKILL after a short grace, so nothing
     can write into the candidate after the integrity check or into OUT after the move. Returns
-    whether there was anything to end. (A child that leaves the group, ``setsid``, escapes this;
-    the candidate's integrity check and the winner's re-hash before the move still see what it
-    wrote until then.)"""
+    whether there was anything to end. A child that left the group (``setsid``, a double fork)
+    was ended by the reaper already, where the platform has a subreaper (Linux); elsewhere it
+    escapes, and the candidate's integrity check and the winner's re-hash before the move still
+    see what it wrote until then.)"""
     try:
         os.killpg(proc.pid, signal.SIGTERM)
     except (ProcessLookupError, PermissionError):
@@ -199,11 +221,14 @@ def run_command(
     env.update({"DGHARD_MODEL": str(model), "DGHARD_OUTPUT": str(output), "DGHARD_CANDIDATE": label})
     if device:
         env["DGHARD_DEVICE"] = device
+    status = logs / "reaper.json"
+    status.unlink(missing_ok=True)
     t0 = time.perf_counter()
     with open(out_log, "wb") as so, open(err_log, "wb") as se:
+        # the command runs under the reaper (its own interpreter, standard library only), which
+        # ends every descendant when it exits, setsid'd daemons included (Linux)
         proc = subprocess.Popen(
-            cmd,
-            shell=True,
+            [sys.executable, "-I", str(REAPER), str(status), cmd],
             stdin=subprocess.DEVNULL,
             stdout=so,
             stderr=se,
@@ -215,7 +240,7 @@ def run_command(
             _RUNNING.add(proc)
         try:
             rc = _wait(proc, timeout)
-            leftovers = _end_leftovers(proc)
+            leftovers = _end_leftovers(proc) | _reaped(status)
         except subprocess.TimeoutExpired:
             _kill_group(proc)
             secs = time.perf_counter() - t0

@@ -153,6 +153,11 @@ def parse_block(raw: object, where: str) -> MergesBlock:
     for x in exclude:
         if x not in known:
             raise InputError(f"{at}: exclude {x!r} is not a merge method ({', '.join(known)})")
+        if x in own:  # listed to be swept and excluded: it was dropped without a word
+            raise InputError(
+                f"{at}: {x} is under both 'methods' and 'exclude'; take it out of 'exclude' to sweep it "
+                "with its own grid, or out of 'methods' to leave it out"
+            )
     density = _numbers(raw.get("density", []) or [], at, "density")
     for d in density:
         if not 0 < d <= 1:

@@ -1,0 +1,35 @@
+"""The strengths of a weighted merge, as the accumulation in a given dtype can apply them.
+
+A merge ``λ·Σ_i w_i·Δ_i`` (task arithmetic; TIES' election and disjoint mean or sum) runs in the
+work dtype of its inputs, often float32. torch refuses an ``add_(x, alpha=w)`` whose ``w`` the
+tensor's dtype cannot hold ("value cannot be converted to type float without overflow", exit 3),
+so ``--weights 1,1e300`` crashed while ``--weights 1e300,1`` (the first weight is a multiply) was
+refused properly, and ``--weights 1e300,1e300 --lambda 1e-300``, a finite merge (λ·w = 1),
+crashed too. The strengths are therefore taken as a whole: where a weight or λ is beyond the work
+dtype's range, the weights are divided by their largest magnitude ``m`` (exact scaling in
+float64) and λ multiplied by it (the effective coefficient ``λ·w_i`` of each task vector is
+unchanged; a normalised mean does not depend on the weights' scale at all). What still
+overflows is a merge whose values are truly beyond the range: the callers' range checks refuse
+it with the tensor's name (exit 2). Strengths within range are returned as given: the same bits
+as always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def effective_strengths(
+    weights: Sequence[float], lam: float, dtype: torch.dtype, *, scale_free: bool = False
+) -> tuple[list[float], float]:
+    """``(weights, λ)`` that an accumulation in ``dtype`` can apply, with the same effective
+    coefficients ``λ·w_i``; ``scale_free``: the result does not depend on the weights' scale
+    (a weighted mean, the sign of a weighted sum), so λ stays as given."""
+    ws = [float(w) for w in weights]
+    fmax = torch.finfo(dtype).max if dtype.is_floating_point else float("inf")
+    if all(abs(w) <= fmax for w in ws):
+        return ws, lam
+    m = max(abs(w) for w in ws)  # finite: the options refuse NaN and Inf
+    return [w / m for w in ws], lam if scale_free else lam * m
