@@ -235,8 +235,13 @@ def test_no_whole_matrix_is_held_on_the_gram_route(tmp_path, models, method, mon
     exact."""
     import dghard_cli.methods.subspace as sub
     from dghard_cli.engine import working_memory as wm
+    from dghard_cli.methods.low_rank import gram_route_bytes
+    from dghard_cli.methods.subspace_svd import svd_route_bytes
 
-    monkeypatch.setattr(wm, "machine_memory", lambda device=None: 10 * 8 * 48 * 48)
+    shapes = [v.shape for v in models["B"].values() if v.ndim == 2]
+    limit = max(gram_route_bytes(*s, 3) for s in shapes)  # the Gram route's own check passes
+    assert limit < max(svd_route_bytes(max(s), min(s), 3) for s in shapes)
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: limit)
     whole = sub.TallBlocks.whole
     monkeypatch.setattr(sub.TallBlocks, "whole", lambda self: pytest.fail("a whole task vector was read"))
     doc, got = run(models["base"], models["fts"], tmp_path / "o", method)
@@ -317,10 +322,12 @@ def test_the_accurate_route_that_cannot_fit_is_refused_in_one_line(tmp_path, mon
     """Where the accurate route is needed and its SVDs cannot fit, one line names the tensor,
     the bound and what to do (here: a bf16 output, which the Gram route resolves), and nothing is
     written."""
-    import dghard_cli.methods.subspace as sub
+    import dghard_cli.engine.working_memory as wm
+    from dghard_cli.methods.low_rank import gram_route_bytes
 
     name = _at_the_floor(tmp_path)
-    monkeypatch.setattr(sub, "machine_memory", lambda device=None: 1000)
+    # room for the Gram route (checked before writing), not for the accurate route's SVDs
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: gram_route_bytes(60, 24, 1))
     with pytest.raises(Exception) as e:
         run(tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "star", policy=_policy(min_numel=0))
     msg = str(e.value)

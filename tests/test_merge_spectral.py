@@ -672,13 +672,14 @@ def test_no_output_dtype_is_refused_for_accuracy(tmp_path, method):
 def test_the_accurate_route_is_refused_in_one_line_where_it_cannot_fit(tmp_path, monkeypatch):
     """The accurate route holds the whole matrix in float64: where that exceeds the machine's
     memory the tensor is refused before any output, naming it, the route and what to do."""
-    import dghard_cli.methods.subspace as subspace
+    import dghard_cli.engine.working_memory as wm
 
     delta = ill_conditioned_delta()
     name = "model.layers.0.mlp.up_proj.weight"
     write_checkpoint(tmp_path / "b", [(name, torch.zeros((64, 32)))], config=CFG.to_hf("float32"))
     write_checkpoint(tmp_path / "f", [(name, delta.to(torch.float32))], config=CFG.to_hf("float32"))
-    monkeypatch.setattr(subspace, "machine_memory", lambda device=None: 64 * 32 * 8)
+    # room for the Gram route's spectrum (checked before writing), not for the accurate route
+    monkeypatch.setattr(wm, "machine_memory", lambda device=None: wm.spectral_bytes(64, 32))
     with pytest.raises(InputError) as e:
         run(tmp_path / "b", [tmp_path / "f"], tmp_path / "o", "iso-c")
     msg = str(e.value)

@@ -392,7 +392,6 @@ def test_an_accurate_route_that_cannot_fit_is_refused_naming_the_tensor(tmp_path
     limit = max(svc.svc_bytes(*v.shape, 3) for v in low_rank["B"].values() if is_matrix(v))
     assert limit < svc.svc_dense_bytes(160, 48, 3)
     monkeypatch.setattr(wm, "machine_memory", lambda device=None: limit)
-    monkeypatch.setattr(svc, "machine_memory", lambda device=None: limit)
     with pytest.raises(Exception) as e:
         run(
             low_rank["base"],

@@ -26,6 +26,7 @@ from dghard_cli.cli import interrupts
 from dghard_cli.cli.interrupts import InterruptGuard
 from dghard_cli.cli.progress import RichBar
 from dghard_cli.engine.memory import limit_allocator_retention
+from dghard_cli.engine.memory_budget import is_gpu_out_of_memory, is_out_of_memory, out_of_memory_message
 from dghard_cli.engine.progress import set_terminal_bar
 from dghard_cli.errors import CheckFailed, DGHardError
 
@@ -256,6 +257,10 @@ def run_cli(fn: Callable[[], Any], *, verbose: bool) -> Any:
     except Exception as exc:  # a bug or an unexpected runtime failure
         if verbose:
             traceback.print_exc()
+        if is_out_of_memory(exc):  # outside the writer (a plan, calibration passes): not a bug
+            if is_gpu_out_of_memory(exc):
+                _fail("CUDA out of memory (rerun the same command, or with --device cpu)", 3)
+            _fail(f"{out_of_memory_message(exc)} (free memory and run the command again)", 3)
         _fail(f"internal error: {type(exc).__name__}: {exc} (rerun with --verbose for a traceback)", 3)
     finally:
         guard.__exit__()

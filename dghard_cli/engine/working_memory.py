@@ -6,18 +6,20 @@ matrix of the smaller side (``8·min(m, n)²`` bytes, plus its eigendecompositio
 matrix whole, and TIES selects its top-k on the whole ``|Δ|``. A header may declare any shape
 its file (sparse, say) backs — a 10⁶×10⁶ matrix asks for an 8 TB Gram matrix. So before the
 first allocation every job's working set is estimated from its shape and a job that cannot fit
-in the machine's memory is refused with a one-line InputError naming the tensor (exit 2),
-instead of an allocation failure deep inside torch.
+in the memory this process may use (:func:`memory_budget`: the smallest of RAM, RLIMIT_AS,
+RLIMIT_DATA and the cgroup's limit; a GPU's own memory) is refused with a one-line InputError
+naming the tensor and the limit that bites (exit 2), instead of an allocation failure deep
+inside torch.
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Iterable
 
 import torch
 
+from dghard_cli.engine.memory_budget import MemoryBudget, fmt_bytes, physical_memory, process_budget
 from dghard_cli.engine.plan import TensorJob
 from dghard_cli.errors import InputError
 
@@ -29,10 +31,25 @@ def machine_memory(device: torch.device | None = None) -> int | None:
             return int(torch.cuda.get_device_properties(device).total_memory)
         except (RuntimeError, AssertionError):  # pragma: no cover - no CUDA here
             return None
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - not POSIX
-        return None
+    return physical_memory()
+
+
+def memory_budget(device: torch.device | None = None) -> MemoryBudget | None:
+    """The memory a job on ``device`` may use: a GPU's own memory, else the process's budget (the
+    smallest of RAM, RLIMIT_AS, RLIMIT_DATA and the cgroup's limit); None when unknown. Every
+    check before writing compares with this, so a job over a container's limit is refused in one
+    line, not met by the allocator (compared with RAM alone, a 15000 × 15000 WUDI merge under
+    ``ulimit -v 3000000`` started and failed in torch's allocator, exit 3 "internal error")."""
+    if device is not None and device.type == "cuda":
+        n = machine_memory(device)
+        return MemoryBudget(n, str(device)) if n is not None else None
+    return process_budget(machine_memory())
+
+
+def over_budget(need: int, device: torch.device | None = None) -> MemoryBudget | None:
+    """The budget ``need`` bytes exceed on ``device``; None when they fit (or it is unknown)."""
+    budget = memory_budget(device)
+    return budget if budget is not None and need > budget.limit else None
 
 
 def spectral_bytes(rows: int, cols: int) -> int:
@@ -69,15 +86,15 @@ def check_dense_svd(
     """InputError for the first matrix whose float64 work (``bytes_of(rows, cols, T)``, by default
     dense SVDs) cannot fit in memory, before anything is written (``what`` names the option that
     needs it, ``work`` what it does)."""
-    limit = machine_memory(device)
-    if limit is None:
+    budget = memory_budget(device)
+    if budget is None:
         return
     for job in jobs:
         if job.runs_method and len(job.shape) == 2 and is_matrix(job):
             rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
             need = bytes_of(rows, job.shape[1], n_fts)
-            if need > limit:
-                _refuse(job, need, limit, f"for {what} ({work})")
+            if need > budget.limit:
+                _refuse(job, need, budget, f"for {what} ({work})")
 
 
 def ties_bytes(job: TensorJob) -> int:
@@ -85,25 +102,18 @@ def ties_bytes(job: TensorJob) -> int:
     return 3 * 4 * math.prod(job.shape)
 
 
-def _fmt(n: float) -> str:
-    for unit in ("bytes", "KB", "MB", "GB", "TB", "PB"):
-        if n < 1000 or unit == "PB":
-            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} PB"  # pragma: no cover
-
-
 def check_jobs(
     jobs: Iterable[TensorJob], *, method: str, spectral: bool, device: torch.device | None = None
 ) -> None:
-    """InputError for the first method job whose working set exceeds the machine's memory."""
-    limit = machine_memory(device)
-    if limit is None:
+    """InputError for the first method job whose working set exceeds the memory budget."""
+    budget = memory_budget(device)
+    if budget is None:
         return
+    limit = budget.limit
     for job in jobs:
         if not job.runs_method or len(job.shape) != 2:
             if job.runs_method and method == "ties" and ties_bytes(job) > limit:
-                _refuse(job, ties_bytes(job), limit, "for TIES' top-k selection")
+                _refuse(job, ties_bytes(job), budget, "for TIES' top-k selection")
             continue
         rows = job.shared_rows if job.shared_rows is not None else job.shape[0]
         cols = job.shape[1]
@@ -111,14 +121,14 @@ def check_jobs(
             need = spectral_bytes(rows, cols)
             if need > limit:
                 s = min(rows, cols)
-                _refuse(job, need, limit, f"for its spectrum (the {s}×{s} float64 Gram matrix)")
+                _refuse(job, need, budget, f"for its spectrum (the {s}×{s} float64 Gram matrix)")
         if method == "ties" and ties_bytes(job) > limit:
-            _refuse(job, ties_bytes(job), limit, "for TIES' top-k selection")
+            _refuse(job, ties_bytes(job), budget, "for TIES' top-k selection")
 
 
-def _refuse(job: TensorJob, need: int, limit: int, what: str) -> None:
+def _refuse(job: TensorJob, need: int, budget: MemoryBudget, what: str) -> None:
     shape = "×".join(map(str, job.shape))
     raise InputError(
-        f"tensor {job.name!r} ({shape}) needs about {_fmt(need)} of memory {what}, more than this "
-        f"machine's {_fmt(limit)}; --exclude it, or run on a machine with more memory"
+        f"tensor {job.name!r} ({shape}) needs about {fmt_bytes(need)} of memory {what}, more than "
+        f"{budget}; --exclude it, or {budget.remedy}"
     )

@@ -15,8 +15,8 @@ order:
 3. the fields every report shares (:func:`common_fields`);
 4. a dry run's report (:func:`dry_run_report`): the plan, nothing read but headers;
 5. the staging directory, keyed by the run's :func:`fingerprint` (resumable), and the kind's
-   writing under one exception → exit-code table (:func:`failures`; CUDA out of memory
-   included);
+   writing under one exception → exit-code table (:func:`failures`; torch's allocation
+   failures on every device included);
 6. a ``--report`` outside OUT, once OUT is complete.
 """
 
@@ -33,6 +33,7 @@ from typing import Protocol
 import torch
 
 from dghard_cli.engine.device import resolve_device
+from dghard_cli.engine.memory_budget import is_out_of_memory, out_of_memory_message
 from dghard_cli.engine.ops import TensorOp, base_record
 from dghard_cli.engine.pipeline import EngineOptions
 from dghard_cli.engine.plan import Plan
@@ -271,7 +272,8 @@ def failures(
 ) -> Iterator[None]:
     """The one exception → exit-code table of a run writing into ``stage``.
 
-    Interrupted (Ctrl-C), out of memory (CUDA's included) and I/O errors keep the finished
+    Interrupted (Ctrl-C), out of memory (MemoryError, torch's OutOfMemoryError and its CPU
+    allocator's RuntimeError) and I/O errors keep the finished
     ``unit`` (exit 3, resumable). Bad input found while computing discards the stage (exit 2),
     unless ``discard()`` says the finished units are worth keeping (a checkpoint whose tensors
     are all written). Whatever ends the run, OUT's lock is released."""
@@ -287,15 +289,18 @@ def failures(
         else:
             stage.lock.release()
         raise
-    except MemoryError:
-        stage.lock.release()
-        raise RuntimeFailure(
-            f"out of memory; {kept}", hint="free memory and run the same command again to resume"
-        ) from None
     except torch.cuda.OutOfMemoryError:
         stage.lock.release()
         raise RuntimeFailure(
             f"CUDA out of memory; {kept}", hint="rerun the same command, or with --device cpu"
+        ) from None
+    except (MemoryError, RuntimeError) as exc:  # torch's CPU allocator raises RuntimeError
+        stage.lock.release()
+        if not is_out_of_memory(exc):
+            raise
+        raise RuntimeFailure(
+            f"{out_of_memory_message(exc)}; {kept}",
+            hint="free memory and run the same command again to resume",
         ) from None
     except OSError as exc:
         stage.lock.release()

@@ -43,13 +43,16 @@ the kept right singular vectors V_r, and the output pass writes each row block o
 ``Σ_i c_i·X_i·V_r·V_rᵀ`` (the truncation ``U_r·diag(σ_r)·V_rᵀ = X·V_r·V_rᵀ``). No N × M matrix
 is held: the working set is T Gram matrices and one set of row blocks (3 fine-tunes of the
 151936 × 896 embedding of a 0.5B model: about 20 MB of Gram matrices, against 8–10 GB for the
-dense SVDs). The Gram route's error bound (:func:`gram_cut`: the kept subspace, STAR's
-rescaling, components at the rank's floor) is each record's ``error_bound``. A matrix whose bound
-exceeds the output dtype's resolution (float32's at the finest), or whose tie extension or STAR
+dense SVDs). It grows with M² all the same (a header may declare a 60000 × 60000 matrix: 28.8 GB
+a Gram matrix), so :func:`plan_check` refuses, before anything is written, a matrix whose
+:func:`gram_route_bytes` exceed the process's memory budget. The Gram route's error bound
+(:func:`gram_cut`: the kept subspace, STAR's rescaling, components at the rank's floor) is each
+record's ``error_bound``. A matrix whose bound exceeds the output dtype's resolution (float32's
+at the finest), or whose tie extension or STAR
 η-crossing lies within the route's error of its threshold, is computed again by the **accurate
 route**: float64
 SVDs of the whole tall task vectors (``X_i``, N × M), working set ≈ (2T + 6)·8·N·M bytes (3
-fine-tunes of a 4864 × 896 matrix, about 420 MB), checked against the machine's memory before
+fine-tunes of a 4864 × 896 matrix, about 420 MB), checked against the memory budget before
 that matrix is computed; its record says ``route: "svd-float64"`` and keeps the Gram route's bound
 as ``gram_error_bound``. Both routes keep the same numerical rank and cut, so they differ only in
 rounding, below the output's resolution.
@@ -67,6 +70,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs
 from dghard_cli.engine.plan import TensorJob
+from dghard_cli.engine.working_memory import check_dense_svd
 from dghard_cli.errors import InputError
 from dghard_cli.methods.declare import finite
 from dghard_cli.methods.merge_ops import ElementwiseMergeOp, TaskArithmeticKernel
@@ -387,6 +391,36 @@ def cart_plan(blocks: TallBlocks, ratio: float, lam: float, unit: float) -> Gram
     return GramPlan(update, sum(ranks), amp, {"rank_k": k, "task_ranks": ranks})
 
 
+def gram_route_bytes(rows: int, cols: int, n_fts: int) -> int:
+    """The Gram route's float64 working set for one m × n matrix (M = min(m, n)): the T Gram
+    matrices, one eigendecomposition's symmetrised copy, eigenvectors and LAPACK workspace (about
+    5 M × M matrices; measured 4.5–4.9 for M = 1500), and the T kept bases V_r (up to M × M
+    each); a wide matrix's inputs and output whole (4 bytes a value counted). The row blocks
+    (``block_bytes``) come on top."""
+    small = min(rows, cols)
+    whole = (n_fts + 2) * 4 * rows * cols if rows < cols else 0
+    return (2 * n_fts + 5) * 8 * small * small + whole
+
+
+def plan_check(name: str, parts: str) -> Callable[[dict, Sequence[TensorJob], int, Any, Any], None]:
+    """``--method name``'s check before anything is written: every matrix's Gram route (the Gram
+    matrices of ``parts``) fits in the memory this process may use. The accurate route is
+    checked when a matrix needs it (most never do)."""
+
+    def check(p: dict, jobs: Sequence[TensorJob], n_fts: int, policy: Any, device: Any) -> None:
+        check_dense_svd(
+            jobs,
+            n_fts=n_fts,
+            is_matrix=matrix_rule(policy),
+            what=f"--method {name}",
+            device=device,
+            bytes_of=gram_route_bytes,
+            work=f"float64 Gram matrices of {parts}",
+        )
+
+    return check
+
+
 # -- streaming ------------------------------------------------------------------------------------
 
 
@@ -548,6 +582,7 @@ MERGE_METHODS = (
         ("alpha", "eta"),
         _star_op,
         summary=_summary("star"),
+        check_plan=plan_check("star", "the task vectors"),
         defaults={"alpha": 1.0},
         sweep_axes=("alpha", "eta"),
         sweep_fixed=("eta",),
@@ -559,6 +594,7 @@ MERGE_METHODS = (
         ("lambda", "rank_ratio"),
         _cart_op,
         summary=_summary("cart"),
+        check_plan=plan_check("cart", "the centred task vectors"),
         defaults={"lambda": CART_LAMBDA},
         sweep_axes=("lambda", "rank_ratio"),
         sweep_fixed=("rank_ratio",),

@@ -49,7 +49,7 @@ import torch
 from dghard_cli.engine.ops import JobInputs, all_finite, cast_out, passthrough, strength_advice
 from dghard_cli.engine.plan import TensorJob, matrix_eligibility
 from dghard_cli.engine.scratch import Scratch, current
-from dghard_cli.engine.working_memory import machine_memory
+from dghard_cli.engine.working_memory import over_budget
 from dghard_cli.errors import KEEP_NONFINITE, InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
 from dghard_cli.lora.view import ComputedTensorInfo
@@ -337,13 +337,13 @@ def check_accurate_route(
     blocks: TallBlocks, device: torch.device, why: str, written: str, bound: float
 ) -> None:
     """InputError naming the tensor, ``why`` the Gram route does not do, and what to do, when the
-    accurate route's float64 SVDs of this matrix cannot fit in the machine's memory."""
+    accurate route's float64 SVDs of this matrix cannot fit in the memory this process may use."""
     need = svd_route_bytes(blocks.big, blocks.small, blocks.n)
-    limit = machine_memory(device)
-    if limit is not None and need > limit:
+    budget = over_budget(need, device)
+    if budget is not None:
         raise InputError(
             f"tensor {blocks.job.name!r}: {why}, and the accurate SVD route needs about "
-            f"{need / 1e9:.1f} GB, more than this machine has; {coarser_output_hint(written, bound)}"
+            f"{need / 1e9:.1f} GB, more than {budget}; {coarser_output_hint(written, bound)}"
         )
 
 

@@ -18,8 +18,8 @@ stays below ``sqrt(ε/(4·M))`` ≤ 5.3e-9, finer than float32's unit roundoff.
 
 Working set: the T tall task vectors, their sum or projections, the SVD factors and workspace and
 ``Δ*``, at most ``(2T + 6)·8·N·M`` bytes: 3 fine-tunes of a 4864 × 896 matrix, about 420 MB; of a
-14336 × 4096 one, about 5.6 GB. :func:`svd_route_bytes` gives it, and the op checks it against the machine's
-memory before taking this route.
+14336 × 4096 one, about 5.6 GB. :func:`svd_route_bytes` gives it, and the op checks it against the
+process's memory before taking this route.
 """
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ max(1, 1/α − 1)·σ); it is infinite where a gap between singular values lies
 of the cluster threshold. A matrix whose bound exceeds the output dtype's resolution (float32's
 at the finest; a float32 output of a rank-deficient merged update, say) is calibrated again by
 the **accurate route**: the thin float64 SVD of the whole merged update, one task vector at a
-time (working set ≈ 8·8·m·n bytes, checked against the machine's memory before that matrix is
+time (working set ≈ 8·8·m·n bytes, checked against the memory budget before that matrix is
 computed, :func:`svc_dense_bytes`); its record says ``route: "svd-float64"`` and keeps the Gram
 route's bound as ``gram_error_bound`` (null where infinite).
 """
@@ -57,7 +57,7 @@ import torch
 
 from dghard_cli.engine.ops import JobInputs, TensorOp, all_finite, cast_out, strength_advice
 from dghard_cli.engine.plan import TensorJob
-from dghard_cli.engine.working_memory import machine_memory
+from dghard_cli.engine.working_memory import over_budget
 from dghard_cli.errors import InputError
 from dghard_cli.io.safetensors_format import UNIT_ROUNDOFF, torch_dtype
 from dghard_cli.methods.low_rank import numerical_rank, report_bound
@@ -322,14 +322,14 @@ class CalibratedOp:
         """The matrix calibrated from the SVD of the whole merged update (the Gram route's bound
         exceeded the output's resolution ``unit``)."""
         need = svc_dense_bytes(rows, job.shape[1], len(job.fts))
-        limit = machine_memory(self.device)
-        if limit is not None and need > limit:
+        budget = over_budget(need, self.device)
+        if budget is not None:
             from dghard_cli.methods.subspace import coarser_output_hint
 
             raise InputError(
                 f"tensor {job.name!r}: --calibrate svc's Gram route is accurate to {bound:.1e} here, "
                 f"coarser than the output's resolution {unit:.1e}, and the accurate SVD route needs about "
-                f"{need / 1e9:.1f} GB, more than this machine has; "
+                f"{need / 1e9:.1f} GB, more than {budget}; "
                 f"{coarser_output_hint(job.final_dtype or job.out_dtype, bound)}"
             )
         dev = self.device
