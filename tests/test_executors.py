@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import re
+import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -380,3 +384,174 @@ def test_workers_that_cannot_start_are_a_clear_exit_3_within_a_bound(ray_cluster
     finally:
         busy.cancel([h])
         busy.close()
+
+
+# --- workers that die as they start ------------------------------------------------------
+
+_DYING_WORKERS = """\
+import os, sys
+if any("default_worker.py" in a for a in (getattr(sys, "orig_argv", None) or sys.argv)):
+    os._exit(1)  # a Ray worker: dies as it starts (the driver and the cluster's own processes live)
+"""
+
+
+def _session_leftovers(sid: int) -> list[int]:
+    """Processes still in session ``sid`` (the cluster's agents outlive a driver killed mid-start)."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid and fields[0] != "Z":
+            out.append(int(stat.parent.name))
+    return out
+
+
+def test_workers_that_die_as_they_start_are_exit_3_within_the_bound(tmp_path):
+    """A private cluster whose workers die as they start (a broken sitecustomize): the sweep waited
+    silently for over 200 s inside ray.init (Ray's raylet holds back the first driver's
+    registration until the workers it prestarts for it register; the wait holds the GIL, so the
+    worker-start probe and its bound never ran)."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_DYING_WORKERS)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(site), str(REPO), str(TESTS), os.environ.get("PYTHONPATH", "")])
+    env["DGHARD_RAY_START_TIMEOUT_S"] = "2"
+    code = """
+        import faulthandler, sys, time
+        faulthandler.dump_traceback_later(60, exit=True)  # before the fix: shows where it waits
+        import ray
+        from executor_jobs import on_error, run_job
+        from dghard_cli.errors import RuntimeFailure
+        from dghard_cli.sweeping.executors import RayExecutor
+        t0 = time.monotonic()
+        try:
+            RayExecutor(run_job, 2, on_error, address=None, resources={"CPU": 1.0})
+        except RuntimeFailure as exc:
+            print("RUNTIME-FAILURE", time.monotonic() - t0, exc)
+        print("CLOSED", ray.is_initialized())
+        """
+    proc = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+        for pid in _session_leftovers(proc.pid):
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    lines = [line for line in out.splitlines() if line.startswith(("RUNTIME-FAILURE", "CLOSED"))]
+    assert len(lines) == 2, out + err
+    _, seconds, message = lines[0].split(" ", 2)
+    assert message.startswith("the local Ray cluster started no worker for an evaluation within 2 s"), message
+    assert "\n" not in message
+    assert float(seconds) < 45  # the cluster's start (seconds on a loaded machine) and the 2 s bound
+    assert lines[1] == "CLOSED False"  # the private cluster the failed executor started is stopped
+
+
+# --- addresses ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("address", "why"),
+    [
+        ("localhost:1", "refused"),
+        ("LOCALHOST:1", "refused"),
+        ("127.0.0.2:1", "refused"),
+        (f"{socket.gethostname()}:1", "refused"),
+        ("[::1]:1", "cannot connect"),  # refused, or no IPv6 here
+        ("localfoo:1", "cannot resolve host 'localfoo'"),
+    ],
+)
+def test_an_address_naming_this_host_is_probed_like_127_0_0_1(address, why):
+    """`localhost:6379` skipped the probe (it starts with "local"): 25 s and 8 lines of Ray's
+    logging, where 127.0.0.1:6379 is one line in a second."""
+    from dghard_cli.sweeping.executors import _probe
+
+    t0 = time.monotonic()
+    with pytest.raises(InputError, match=rf"^--ray-address '{re.escape(address)}': .*{why}"):
+        _probe(address)
+    assert time.monotonic() - t0 < 6
+
+
+class _FakeRay:
+    """Records ray.init's arguments; connects nowhere."""
+
+    def __init__(self) -> None:
+        self.calls: list[dict] = []
+
+    def init(self, **kw) -> None:
+        self.calls.append(kw)
+
+
+def _bare_executor(slots: int = 2):
+    from dghard_cli.sweeping import executors
+
+    ex = executors.RayExecutor.__new__(executors.RayExecutor)
+    ex.slots, ex._owns = slots, False
+    return ex
+
+
+def test_auto_through_ray_address_naming_this_host_is_probed(monkeypatch):
+    """`auto` with RAY_ADDRESS=localhost:... skipped the probe too."""
+    monkeypatch.setenv("RAY_ADDRESS", "localhost:1")
+    fake = _FakeRay()
+    with pytest.raises(InputError, match=r"^--ray-address 'localhost:1': cannot connect to localhost:1"):
+        _bare_executor()._connect(fake, "auto", None)
+    assert fake.calls == []  # refused before Ray was asked
+
+
+@pytest.mark.parametrize(("address", "ray_address"), [("local", None), ("auto", "local")])
+def test_only_the_literal_local_skips_the_probe_and_it_is_a_private_cluster(
+    monkeypatch, address, ray_address
+):
+    """`local` (given, or `auto` through RAY_ADDRESS as Ray reads it) is a new local cluster: the
+    private one (loopback, --jobs CPUs, no prestart wait), with nothing to probe."""
+    from dghard_cli.sweeping import executors
+
+    if ray_address is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", ray_address)
+    monkeypatch.setattr(executors, "_probe", lambda a: pytest.fail(f"probed {a!r}"))
+    fake = _FakeRay()
+    _bare_executor(slots=3)._connect(fake, address, None)
+    (call,) = fake.calls
+    assert call["address"] == "local" and call["num_cpus"] == 3 and call["include_dashboard"] is False
+    assert call["_system_config"] == {"prestart_worker_first_driver": False}
+
+
+# --- the worker-start bound from the environment -----------------------------------------
+
+
+@pytest.mark.parametrize("value", ["1e300", "inf", "nan", "-1", "0", "0.01", "86401", "abc", "9" * 5000])
+def test_a_start_timeout_out_of_range_is_refused_naming_the_variable_and_range(monkeypatch, value):
+    """DGHARD_RAY_START_TIMEOUT_S=1e300 was an internal OverflowError (inside Ray's ray.get)."""
+    from dghard_cli.sweeping.executors import worker_start_timeout
+
+    monkeypatch.setenv("DGHARD_RAY_START_TIMEOUT_S", value)
+    with pytest.raises(
+        InputError, match=r"^DGHARD_RAY_START_TIMEOUT_S must be .* from 0\.1 to 86400"
+    ) as info:
+        worker_start_timeout()
+    assert "\n" not in str(info.value) and len(str(info.value)) < 200
+
+
+def test_a_start_timeout_in_range_or_unset_is_read(monkeypatch):
+    from dghard_cli.sweeping.executors import WORKER_START_TIMEOUT_S, worker_start_timeout
+
+    for value, want in [("2", 2.0), (" 0.5 ", 0.5), ("86400", 86400.0), ("", WORKER_START_TIMEOUT_S)]:
+        monkeypatch.setenv("DGHARD_RAY_START_TIMEOUT_S", value)
+        assert worker_start_timeout() == want
+    monkeypatch.delenv("DGHARD_RAY_START_TIMEOUT_S")
+    assert worker_start_timeout() == WORKER_START_TIMEOUT_S

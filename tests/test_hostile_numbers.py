@@ -515,6 +515,21 @@ def test_a_device_index_of_thousands_of_digits_is_refused_not_an_internal_error(
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("value", ["1e300", "inf", "-1", "9" * 5000])
+def test_a_number_from_the_environment_out_of_range_is_refused_before_anything_runs(
+    pair, tmp_path, monkeypatch, value
+):
+    """DGHARD_RAY_START_TIMEOUT_S=1e300 overflowed inside Ray ("internal error: OverflowError")
+    after the cluster had started; -1 or inf was silently replaced by 120 s."""
+    pytest.importorskip("ray")
+    base, ft = pair
+    monkeypatch.setenv("DGHARD_RAY_START_TIMEOUT_S", value)
+    r = invoke("sweep", base, ft, tmp_path / "o", "--eval", "true {model} {output}", "--executor", "ray")
+    msg = one_line_error(r)
+    assert "DGHARD_RAY_START_TIMEOUT_S must be a number of seconds from 0.1 to 86400" in msg, msg
+    assert not (tmp_path / "o").exists()
+
+
 @pytest.mark.parametrize(
     "text,why",
     [

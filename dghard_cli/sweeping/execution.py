@@ -102,11 +102,12 @@ def plan_execution(opts) -> tuple[int, list[str]]:  # noqa: ANN001 - SweepOption
                 "--devices is for the local executor; on Ray give each evaluation its GPUs with "
                 "--eval-resources gpu=1 (Ray sets CUDA_VISIBLE_DEVICES for it)"
             )
-        from dghard_cli.sweeping.executors import check_address_form, parse_resources
+        from dghard_cli.sweeping.executors import check_address_form, parse_resources, worker_start_timeout
 
         parse_resources(opts.eval_resources or "")
         if opts.ray_address is not None:
             check_address_form(opts.ray_address)
+        worker_start_timeout()  # DGHARD_RAY_START_TIMEOUT_S: refused here, not after Ray has started
     else:
         if opts.ray_address is not None:
             raise InputError("--ray-address needs --executor ray")

@@ -28,6 +28,7 @@ from concurrent.futures import wait as futures_wait
 from typing import Any, Protocol
 
 from dghard_cli.errors import InputError, RuntimeFailure
+from dghard_cli.numbers import env_number
 
 JobFn = Callable[[Any, dict], Any]
 ErrorFn = Callable[[Any, BaseException], Any]
@@ -195,6 +196,7 @@ _CONNECT_ENV = {
     "RAY_gcs_server_port_wait_time_s": "2",
 }
 _PROBE_TIMEOUT_S = 5.0
+_QUIET = {"log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
 
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
@@ -216,13 +218,22 @@ def check_address_form(address: str) -> None:
         )
 
 
+def names_private_cluster(address: str | None) -> bool:
+    """No address, ``local``, or ``auto`` with RAY_ADDRESS=local: Ray starts a new local cluster
+    for each, and here that is always the private one (loopback only, ``--jobs`` CPUs, its
+    workers' start bounded). Anything else names a running cluster and is probed first."""
+    if address == "auto":
+        address = os.environ.get("RAY_ADDRESS", "").strip() or "auto"
+    return address is None or address == "local"
+
+
 def resolve_auto() -> str:
     """What ``auto`` means, as Ray resolves it (RAY_ADDRESS, else the cluster ``ray start`` last
     started here); InputError when there is none."""
     from ray._private import services
 
     env = os.environ.get("RAY_ADDRESS", "").strip()
-    if env:
+    if env and env != "auto":  # RAY_ADDRESS=auto: Ray looks the cluster up, as for no RAY_ADDRESS
         check_address_form(env)
         return env
     try:
@@ -254,8 +265,13 @@ def _speaks_grpc(sock: socket.socket) -> bool:
 
 def _probe(address: str) -> None:
     """Fail fast on an address nothing listens on, or where something other than a Ray cluster
-    answers (Ray itself retries for minutes, or ~25 s with the bounds above)."""
-    if address == "auto" or address.startswith("local"):
+    answers (Ray itself retries for minutes, or ~25 s with the bounds above).
+
+    ``address`` is resolved (``auto`` looked up). Every host is probed, this one's names
+    (localhost, 127.0.0.0/8, ::1, the host name) too: only the literal ``local``, a new cluster
+    with nothing yet to answer, is not (a prefix test let ``localhost:6379`` through to Ray's
+    25 s of retries)."""
+    if address == "local":
         return
     check_address_form(address)
     client = address.startswith("ray://")
@@ -296,22 +312,44 @@ def _probe(address: str) -> None:
         )
 
 
-#: How long the first worker may take to start (seconds); DGHARD_RAY_START_TIMEOUT_S overrides.
+#: How long the first worker may take to start (seconds); DGHARD_RAY_START_TIMEOUT_S overrides,
+#: from 0.1 s up to a day (beyond it Ray's timeout arithmetic overflows long before float range).
 WORKER_START_TIMEOUT_S = 120.0
+WORKER_START_TIMEOUT_MIN_S = 0.1
+WORKER_START_TIMEOUT_MAX_S = 86400.0
+
+#: Ray's raylet holds back the first driver's registration until the workers it prestarts for
+#: that job have registered. Workers that die as they start never do, and ray.init then waits
+#: forever inside the driver's CoreWorker construction, holding the GIL (no Python timer runs,
+#: the worker-start probe is never submitted). A private cluster skips that wait, so ray.init
+#: returns and the probe bounds the workers' start.
+_PRIVATE_SYSTEM_CONFIG = {"prestart_worker_first_driver": False}
 
 
 def worker_start_timeout() -> float:
-    raw = os.environ.get("DGHARD_RAY_START_TIMEOUT_S", "")
-    try:
-        value = float(raw) if raw.strip() else WORKER_START_TIMEOUT_S
-    except ValueError:
-        value = WORKER_START_TIMEOUT_S
-    return value if math.isfinite(value) and value > 0 else WORKER_START_TIMEOUT_S
+    """DGHARD_RAY_START_TIMEOUT_S, or 120 s; InputError naming it and its range when out of it."""
+    return env_number(
+        "DGHARD_RAY_START_TIMEOUT_S",
+        WORKER_START_TIMEOUT_S,
+        low=WORKER_START_TIMEOUT_MIN_S,
+        high=WORKER_START_TIMEOUT_MAX_S,
+        what="a number of seconds",
+    )
 
 
 def _ping() -> int:
     """The worker-start probe: runs on a worker, imports nothing more than this module."""
     return os.getpid()
+
+
+def _logs_dir(ray: Any) -> str | None:
+    """The log directory of the cluster this process started (a private one is gone, with
+    ``ray logs``, by the time its error is read; its files stay)."""
+    node = getattr(getattr(getattr(ray, "_private", None), "worker", None), "_global_node", None)
+    try:
+        return str(node.get_logs_dir_path()) if node is not None else None
+    except Exception:  # noqa: BLE001 - Ray's private API: a hint, best effort
+        return None
 
 
 def _first_line(exc: BaseException) -> str:
@@ -363,25 +401,31 @@ class RayExecutor:
         cancel_grace_s: float = 3.0,
     ) -> None:
         self.slots = _check_slots(slots)
+        self._start_timeout = worker_start_timeout()  # a bad value is refused before Ray starts
         self._on_error = on_error
         self._grace = cancel_grace_s
         self._owns = False
         self._queue: deque[_RayHandle] = deque()
         self._running: dict[Any, _RayHandle] = {}  # ObjectRef -> handle
-        ray = self._import_ray(address)
+        self._private = private = names_private_cluster(address)
+        ray = self._import_ray(None if private else address)
         self._ray = ray
         task_env = None
         if ray.is_initialized():
             task_env = runtime_env
         else:
             self._connect(ray, address, runtime_env)
-        where = f"the Ray cluster at {address}" if address else "the local Ray cluster"
-        self._check_resources(ray, resources, where)
-        opts = _task_options(resources)
-        if task_env:
-            opts["runtime_env"] = task_env
-        self._remote = ray.remote(fn).options(max_retries=1, retry_exceptions=False, **opts)
-        self._check_workers_start(ray, opts, where)
+        where = "the local Ray cluster" if private else f"the Ray cluster at {address}"
+        try:
+            self._check_resources(ray, resources, where)
+            opts = _task_options(resources)
+            if task_env:
+                opts["runtime_env"] = task_env
+            self._remote = ray.remote(fn).options(max_retries=1, retry_exceptions=False, **opts)
+            self._check_workers_start(ray, opts, where)
+        except BaseException:
+            self.close()  # a cluster this executor started (or joined) is not left behind
+            raise
 
     @staticmethod
     def _import_ray(address: str | None) -> Any:
@@ -401,26 +445,8 @@ class RayExecutor:
         return ray
 
     def _connect(self, ray: Any, address: str | None, runtime_env: dict | None) -> None:
-        quiet = {"log_to_driver": False, "logging_level": "ERROR", "configure_logging": True}
-        if address is None:
-            # Loopback only. The environment variable set before import covers the usual case;
-            # if Ray was imported earlier, flip the constant it was read into (best effort).
-            constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
-            saved = getattr(constants, "ENABLE_RAY_CLUSTER", None)
-            if saved is not None:
-                constants.ENABLE_RAY_CLUSTER = False
-            try:
-                ray.init(  # "local": a new cluster even if RAY_ADDRESS is set
-                    address="local",
-                    num_cpus=self.slots,
-                    include_dashboard=False,
-                    runtime_env=runtime_env,
-                    **quiet,
-                )
-            finally:
-                if saved is not None:
-                    constants.ENABLE_RAY_CLUSTER = saved
-            self._owns = True
+        if names_private_cluster(address):
+            self._start_private(ray, runtime_env)
             return
         given = address
         if address == "auto":
@@ -429,12 +455,34 @@ class RayExecutor:
         # only the address the user gave is contacted: Ray reads RAY_ADDRESS over an explicit one
         saved = os.environ.pop("RAY_ADDRESS", None)
         try:
-            ray.init(address=address, runtime_env=runtime_env, **quiet)
+            ray.init(address=address, runtime_env=runtime_env, **_QUIET)
         except (ConnectionError, TimeoutError, ValueError, RuntimeError) as exc:
             raise InputError(f"--ray-address {given!r}: {_first_line(exc)}") from None
         finally:
             if saved is not None:
                 os.environ["RAY_ADDRESS"] = saved
+        self._owns = True
+
+    def _start_private(self, ray: Any, runtime_env: dict | None) -> None:
+        """A new cluster on this machine, loopback only, ``slots`` CPUs, stopped by ``close``."""
+        # The environment variable set before import covers the usual case; if Ray was
+        # imported earlier, flip the constant it was read into (best effort).
+        constants = getattr(getattr(ray, "_private", None), "ray_constants", None)
+        saved = getattr(constants, "ENABLE_RAY_CLUSTER", None)
+        if saved is not None:
+            constants.ENABLE_RAY_CLUSTER = False
+        try:
+            ray.init(  # "local": a new cluster even if RAY_ADDRESS is set
+                address="local",
+                num_cpus=self.slots,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                _system_config=dict(_PRIVATE_SYSTEM_CONFIG),
+                **_QUIET,
+            )
+        finally:
+            if saved is not None:
+                constants.ENABLE_RAY_CLUSTER = saved
         self._owns = True
 
     def _check_workers_start(self, ray: Any, opts: dict, where: str) -> None:
@@ -444,15 +492,21 @@ class RayExecutor:
         errors hidden. RuntimeFailure (exit 3) naming the cause, or the bound that ran out."""
         ref = ray.remote(_ping).options(max_retries=0, **opts).remote()
         try:
-            ray.get(ref, timeout=worker_start_timeout())
+            ray.get(ref, timeout=self._start_timeout)
         except ray.exceptions.GetTimeoutError:
             with contextlib.suppress(Exception):
                 ray.cancel(ref, force=True)
+            logs = _logs_dir(ray) if self._owns and self._private else None
             raise RuntimeFailure(
-                f"{where} started no worker for an evaluation within {worker_start_timeout():g} s "
+                f"{where} started no worker for an evaluation within {self._start_timeout:g} s "
                 f"(resources per job: {opts or 'Ray defaults'}): its workers cannot start, or none "
                 "has those resources free now",
-                hint="see the workers' logs (`ray logs`), or raise DGHARD_RAY_START_TIMEOUT_S",
+                hint=(
+                    f"see the cluster's logs in {logs} (kept after it stops)"
+                    if logs
+                    else "see the workers' logs (`ray logs`)"
+                )
+                + ", or raise DGHARD_RAY_START_TIMEOUT_S",
             ) from None
         except ray.exceptions.RayError as exc:
             raise RuntimeFailure(
