@@ -651,3 +651,17 @@ def test_effective_strengths_keep_the_coefficients_and_the_bits_in_range():
     den = agree[0] * 1e-300 + agree[1] * 1.0
     want = np.where(den > 0, num / np.where(den > 0, den, 1), 0.0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("columns", ["99999999999999999999", "9" * 5000, "-3", "1e9", "0"])
+def test_a_terminal_size_no_terminal_has_is_ignored(pair, tmp_path, monkeypatch, columns):
+    """COLUMNS=99999999999999999999 made even ``dghard --help`` an OverflowError traceback
+    (rich sizes its buffers from it): a size outside 1..10000 is ignored, as if unset."""
+    from conftest import run_dghard_process
+
+    r = run_dghard_process("--help", env={"COLUMNS": columns, "LINES": columns})
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr[-500:]
+    monkeypatch.setenv("COLUMNS", columns)
+    base, ft = pair
+    r = invoke("repair", base, ft, tmp_path / "o")
+    assert r.exit_code == 0, r.output
