@@ -46,6 +46,8 @@ def entrypoint() -> None:
     from dghard_cli.cli import deferred, interrupts
 
     deferred.defer()  # torch and numpy are imported where a command first uses them
+    from dghard_cli.cli.terminal import sane_terminal_size
+
     sane_terminal_size()
     argv = sys.argv[1:]
     command = invoked_command(argv)
@@ -62,26 +64,6 @@ def entrypoint() -> None:
         if exc.code == 3:
             _exit_now(3)
         raise
-
-
-#: The widest and tallest terminal believed: rich and typer size their buffers from COLUMNS and
-#: LINES, and COLUMNS=99999999999999999999 made even `dghard --help` an OverflowError traceback.
-MAX_TERMINAL_CELLS = 10_000
-
-
-def sane_terminal_size() -> None:
-    """Drop COLUMNS and LINES unless each is a whole number from 1 to MAX_TERMINAL_CELLS (the
-    terminal's own size is used instead, as where they are unset)."""
-    import os
-
-    for name in ("COLUMNS", "LINES"):
-        raw = os.environ.get(name)
-        if raw is None:
-            continue
-        text = raw.strip()
-        ok = text.isascii() and text.isdigit() and len(text) <= 5 and 1 <= int(text) <= MAX_TERMINAL_CELLS
-        if not ok:
-            del os.environ[name]
 
 
 def _exit_now(code: int) -> None:

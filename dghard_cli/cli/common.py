@@ -343,7 +343,7 @@ def main(
     ] = None,
 ) -> None:
     """dghard: repair, merge and audit fine-tuned checkpoints."""
-    from dghard_cli.cli import sane_terminal_size
+    from dghard_cli.cli.terminal import sane_terminal_size
 
     sane_terminal_size()  # the console script does it first; in-process callers reach here
     limit_allocator_retention()
