@@ -19,6 +19,7 @@ from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.scoring import scales
 from dghard_cli.scoring.results import MAX_SCORE, ResultFile, Score, ScoreLike, _is_number
+from dghard_cli.scoring.uncertainty import uncertainty
 
 SCHEMA_VERSION = 1
 
@@ -345,12 +346,21 @@ def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict
         )
     repair, retention = _mean(rep), _mean(ret)
     defined_t = [v for v in tgt.values() if v is not None]
+    se = uncertainty(
+        c,
+        benchmarks,
+        repair,
+        retention,
+        targets_in_retention=rules.targets_in_retention,
+        unchanged_in_repair=rules.unchanged_in_repair,
+    )
     return {
         "name": name,
         "source": source,
         "repair": repair,
         "retention": retention,
         "hm": harmonic_mean(repair, retention),
+        **se,
         "normalised_accuracy": _mean(norm),
         "unchanged_mean_change": _mean(unch),
         "target_retention": tgt,

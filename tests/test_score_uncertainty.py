@@ -1,0 +1,97 @@
+"""HM's standard error (``dghard score``) against a simulation with known truth.
+
+Benchmarks of n items, each a Bernoulli draw with a known true accuracy per model, scored as
+lm-eval scores them (accuracy in points and its sample standard error). Over many simulated
+evaluations, the spread of the HM computed from the draws must match the delta-method standard
+error :mod:`dghard_cli.scoring.uncertainty` reports from one evaluation's stderrs, where the
+three evaluations are independent (the module's assumption); and must not exceed it where the
+models share their items (a real benchmark), which makes their differences vary less.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from dghard_cli.scoring.metrics import harmonic_mean, score_candidates
+from dghard_cli.scoring.uncertainty import hm_partials, uncertainty
+
+#: true accuracies (%) of base, fine-tune and candidate on two damaged and two improved benchmarks
+TRUE = {
+    "facts": (80.0, 55.0, 70.0),
+    "sums": (70.0, 45.0, 60.0),
+    "code": (30.0, 60.0, 50.0),
+    "chat": (40.0, 75.0, 62.0),
+}
+
+
+def _evaluate(rng: np.random.Generator, n: int, shared: bool) -> list[dict]:
+    """Three result dicts {benchmark: (points, stderr)}: independent draws, or one set of items
+    (a latent difficulty per item, so the models' correct answers correlate)."""
+    out: list[dict] = [{}, {}, {}]
+    for k, ps in TRUE.items():
+        u = rng.random(n) if shared else None
+        for i, p in enumerate(ps):
+            draws = (u if shared else rng.random(n)) < p / 100.0
+            acc = draws.mean()
+            out[i][k] = (100.0 * acc, 100.0 * math.sqrt(max(acc * (1 - acc), 1e-12) / (n - 1)))
+    return out
+
+
+def _hm_and_se(res: list[dict]) -> tuple[float, float]:
+    doc = score_candidates(res[0], res[1], {"c": res[2]}, margin=5.0)
+    assert doc["counts"]["damaged"] == 2 and doc["counts"]["improved"] == 2
+    cd = doc["candidates"][0]
+    return cd["hm"], cd["hm_stderr"]
+
+
+@pytest.mark.parametrize("n", [200, 800])
+def test_hm_stderr_matches_the_spread_of_hm_over_independent_evaluations(n):
+    rng = np.random.default_rng(n)
+    hms, ses = zip(*(_hm_and_se(_evaluate(rng, n, shared=False)) for _ in range(1500)), strict=True)
+    spread, reported = float(np.std(hms, ddof=1)), float(np.mean(ses))
+    assert reported == pytest.approx(spread, rel=0.12), (spread, reported)
+
+
+def test_hm_stderr_is_on_the_large_side_when_the_models_share_items():
+    rng = np.random.default_rng(1)
+    hms, ses = zip(*(_hm_and_se(_evaluate(rng, 300, shared=True)) for _ in range(1500)), strict=True)
+    spread, reported = float(np.std(hms, ddof=1)), float(np.mean(ses))
+    assert reported >= spread, (spread, reported)
+
+
+def test_partials_against_finite_differences():
+    for r, t in [(60.0, 30.0), (5.0, 90.0), (-10.0, 40.0), (40.0, -5.0)]:
+        h = 1e-6
+        d_r = (harmonic_mean(r + h, t) - harmonic_mean(r - h, t)) / (2 * h)
+        d_t = (harmonic_mean(r, t + h) - harmonic_mean(r, t - h)) / (2 * h)
+        assert hm_partials(r, t) == pytest.approx((d_r, d_t), rel=1e-6, abs=1e-9)
+
+
+def test_an_unknown_stderr_makes_hm_stderr_unknown_not_zero():
+    base = {"facts": (80.0, 1.0), "code": (30.0, 1.0)}
+    ft = {"facts": (55.0, 1.0), "code": (60.0, 1.0)}
+    doc = score_candidates(base, ft, {"a": {"facts": 70.0, "code": 50.0}}, margin=5.0)
+    cd = doc["candidates"][0]
+    assert cd["hm"] is not None and cd["hm_stderr"] is None and cd["repair_stderr"] is None
+    doc = score_candidates(base, ft, {"a": {"facts": (70.0, 2.0), "code": (50.0, 2.0)}}, margin=5.0)
+    cd = doc["candidates"][0]
+    # one damaged and one improved benchmark: R = 60, T = 66.7, straight from the definitions
+    se_r = math.sqrt((100 / 25 * 2) ** 2 + (100 * 15 / 625 * 1) ** 2 + (100 * 10 / 625 * 1) ** 2)
+    se_t = math.sqrt((100 / 30 * 2) ** 2 + (100 * 10 / 900 * 1) ** 2 + (100 * 20 / 900 * 1) ** 2)
+    assert cd["repair_stderr"] == pytest.approx(se_r) and cd["retention_stderr"] == pytest.approx(se_t)
+    r, t = cd["repair"], cd["retention"]
+    d_r, d_t = 2 * t**2 / (r + t) ** 2, 2 * r**2 / (r + t) ** 2
+    assert cd["hm_stderr"] == pytest.approx(math.hypot(d_r * se_r, d_t * se_t))
+
+
+def test_hm_that_is_one_mean_alone_has_that_means_stderr():
+    from dghard_cli.scoring.results import Score
+
+    bms = [
+        {"name": "x", "partition": "damaged", "base": 80.0, "ft": 60.0, "base_stderr": 1.0, "ft_stderr": 1.0}
+    ]
+    se = uncertainty({"x": Score(70.0, 1.0)}, bms, 50.0, None)
+    assert se["retention_stderr"] is None and se["hm_stderr"] == se["repair_stderr"] > 0
