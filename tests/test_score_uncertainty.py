@@ -95,3 +95,62 @@ def test_hm_that_is_one_mean_alone_has_that_means_stderr():
     ]
     se = uncertainty({"x": Score(70.0, 1.0)}, bms, 50.0, None)
     assert se["retention_stderr"] is None and se["hm_stderr"] == se["repair_stderr"] > 0
+
+
+def _files_with_items(tmp_path, rng: np.random.Generator, n: int, as_fraction: bool):
+    """base/ft/candidate JSON files whose benchmarks list their items (0/1 on shared items)."""
+    import json
+
+    from dghard_cli.scoring.results import read_results
+
+    docs: list[dict] = [{}, {}, {}]
+    for k, ps in TRUE.items():
+        u = rng.random(n)
+        for i, p in enumerate(ps):
+            xs = (u < p / 100.0).astype(float)
+            score = xs.mean() if as_fraction else 100.0 * xs.mean()
+            docs[i][k] = {"score": float(score), "items": xs.tolist()}
+    paths = []
+    for name, d in zip(("base", "ft", "c"), docs, strict=True):
+        p = tmp_path / f"{name}.json"
+        p.write_text(json.dumps(d))
+        paths.append(read_results(p))
+    return paths
+
+
+@pytest.mark.parametrize("as_fraction", [False, True])
+def test_items_compare_the_models_item_by_item_and_match_the_spread(tmp_path, as_fraction):
+    """With per-item results (0/1, the same items for every model) the standard error is paired:
+    it matches the spread of HM over re-drawn item sets, where the benchmark-stderr route was
+    2.3x too large."""
+    rng = np.random.default_rng(3)
+    hms, ses, paired = [], [], set()
+    for _ in range(300):
+        b, f, c = _files_with_items(tmp_path, rng, 300, as_fraction)
+        doc = score_candidates(b, f, {"c": c}, margin=5.0)
+        cd = doc["candidates"][0]
+        hms.append(cd["hm"])
+        ses.append(cd["hm_stderr"])
+        paired.add(cd["stderr_paired_benchmarks"])
+    assert paired == {4}
+    spread, reported = float(np.std(hms, ddof=1)), float(np.mean(ses))
+    assert reported == pytest.approx(spread, rel=0.2), (spread, reported)
+
+
+def test_items_that_do_not_average_to_the_score_are_refused(tmp_path):
+    import json
+
+    from dghard_cli.errors import InputError
+    from dghard_cli.scoring.results import read_results
+
+    p = tmp_path / "r.json"
+    for items, why in (
+        ([1, 0, 1], "average 0.666667, not the score"),
+        ([1], "at least 2"),
+        (["x", 1], "finite"),
+    ):
+        p.write_text(json.dumps({"arc": {"score": 50.0, "items": items}}))
+        with pytest.raises(InputError, match=why):
+            read_results(p)
+    p.write_text(json.dumps({"arc": {"score": 50.0, "items": [1, 0, 0, 1]}}))
+    assert read_results(p).scores["arc"].items == (100.0, 0.0, 0.0, 100.0)

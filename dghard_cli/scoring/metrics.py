@@ -180,7 +180,7 @@ def score_candidates(
         extra_c = [k for k in c if k not in b]
         if extra_c:
             warnings.append(f"candidate {name!r}: benchmarks not in the base ignored: {', '.join(extra_c)}")
-        cands.append(score_one(name, lab, c, benchmarks, rules))
+        cands.append(score_one(name, lab, c, benchmarks, rules, base=b, ft=f))
     order = ranking(cands)
     for cd in cands:
         cd["rank"] = order.index(cd["name"]) + 1
@@ -304,8 +304,18 @@ def coverage(counts: dict[str, int], benchmarks: list[dict], rules: Rules, warni
     return notes
 
 
-def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict], rules: Rules) -> dict:
-    """One candidate's scores: per benchmark (by its partition), % repair, % retention, HM."""
+def score_one(
+    name: str,
+    source: str,
+    c: dict[str, Score],
+    benchmarks: list[dict],
+    rules: Rules,
+    *,
+    base: dict[str, Score] | None = None,
+    ft: dict[str, Score] | None = None,
+) -> dict:
+    """One candidate's scores: per benchmark (by its partition), % repair, % retention, HM, and
+    their standard errors (item by item where ``base``, ``ft`` and ``c`` list the items)."""
     rows = []
     rep, ret, unch, tgt, norm = [], [], [], {}, []
     for bm in benchmarks:
@@ -351,6 +361,8 @@ def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict
         benchmarks,
         repair,
         retention,
+        base=base,
+        ft=ft,
         targets_in_retention=rules.targets_in_retention,
         unchanged_in_repair=rules.unchanged_in_repair,
     )

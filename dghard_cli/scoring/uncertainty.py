@@ -39,20 +39,55 @@ def _partials(part: str, c: float, b: float, f: float, in_repair_unchanged: bool
     return {}
 
 
-def _mean_stderr(terms: Sequence[tuple[dict[str, float], dict[str, float | None]]]) -> float | None:
-    """se of the mean of per-benchmark values, from each value's partials and its scores' ses."""
+Cov = dict[tuple[str, str], float]
+
+
+def _item_cov(series: Mapping[str, Sequence[float]]) -> Cov:
+    """Covariances of the three scores (means over the same n items): cov(x_i, x_j)/n, the
+    sample covariance of the per-item values (n − 1 in its denominator) over n."""
+    n = len(next(iter(series.values())))
+    means = {r: math.fsum(xs) / n for r, xs in series.items()}
+    out: Cov = {}
+    for r1 in series:
+        for r2 in series:
+            d = math.fsum(
+                (a - means[r1]) * (b - means[r2]) for a, b in zip(series[r1], series[r2], strict=True)
+            )
+            out[r1, r2] = d / (n - 1) / n
+    return out
+
+
+def score_cov(c: Score, b: Score, f: Score) -> Cov | None:
+    """The covariance of one benchmark's candidate, base and fine-tune scores: from their items
+    where all three list the same number of them (the same items, in the same order), else the
+    diagonal of their standard errors (independent); None where a standard error is unknown."""
+    if c.items and b.items and f.items and len(c.items) == len(b.items) == len(f.items) >= 2:
+        return _item_cov({"c": c.items, "b": b.items, "f": f.items})
+    cov: Cov = {}
+    for role, sc in (("c", c), ("b", b), ("f", f)):
+        se = sc.stderr
+        if se is None and sc.items and len(sc.items) >= 2:
+            se = math.sqrt(_item_cov({role: sc.items})[role, role])
+        if se is None:
+            return None
+        cov[role, role] = se * se
+    return cov
+
+
+def _mean_stderr(terms: Sequence[tuple[dict[str, float], Cov | None]]) -> float | None:
+    """se of the mean of per-benchmark values, from each value's partials and the covariance of
+    the scores it uses (benchmarks are independent of each other)."""
     if not terms:
         return None
     var = 0.0
-    for partial, ses in terms:
-        for role, d in partial.items():
-            if d == 0.0:
-                continue
-            se = ses[role]
-            if se is None:
-                return None
-            var += (d * se) ** 2
-    return math.sqrt(var) / len(terms)
+    for partial, cov in terms:
+        used = [r for r, d in partial.items() if d != 0.0]
+        if not used:
+            continue
+        if cov is None:
+            return None
+        var += sum(partial[r1] * partial[r2] * cov.get((r1, r2), 0.0) for r1 in used for r2 in used)
+    return math.sqrt(max(var, 0.0)) / len(terms)
 
 
 def hm_partials(repair: float | None, retention: float | None) -> tuple[float, float]:
@@ -75,23 +110,32 @@ def uncertainty(
     repair: float | None,
     retention: float | None,
     *,
+    base: Mapping[str, Score] | None = None,
+    ft: Mapping[str, Score] | None = None,
     targets_in_retention: bool = False,
     unchanged_in_repair: bool = False,
-) -> dict[str, float | None]:
+) -> dict[str, float | int | None]:
     """``repair_stderr``, ``retention_stderr`` and ``hm_stderr`` of one candidate (None where
-    undefined or where a score they use has no standard error)."""
-    rep: list[tuple[dict[str, float], dict[str, float | None]]] = []
-    ret: list[tuple[dict[str, float], dict[str, float | None]]] = []
+    undefined or where a score they use has no standard error), and ``stderr_paired_benchmarks``:
+    how many benchmarks were compared item by item (``base``/``ft``: their Scores, with items)."""
+    rep: list[tuple[dict[str, float], Cov | None]] = []
+    ret: list[tuple[dict[str, float], Cov | None]] = []
+    paired = 0
     for bm in benchmarks:
         part, k = bm["partition"], bm["name"]
         b, f, cv = bm["base"], bm["ft"], c[k].value
-        ses = {"c": c[k].stderr, "b": bm["base_stderr"], "f": bm["ft_stderr"]}
+        sb = base[k] if base is not None and k in base else Score(b, bm["base_stderr"])
+        sf = ft[k] if ft is not None and k in ft else Score(f, bm["ft_stderr"])
+        cov = score_cov(c[k], sb, sf)
         if part == "damaged":
-            rep.append((_partials(part, cv, b, f, False), ses))
+            rep.append((_partials(part, cv, b, f, False), cov))
         elif part == "improved" or (part == "target" and targets_in_retention and f != b):
-            ret.append((_partials(part, cv, b, f, False), ses))
+            ret.append((_partials(part, cv, b, f, False), cov))
         elif part == "unchanged" and unchanged_in_repair and b > 0:
-            rep.append((_partials(part, cv, b, f, True), ses))
+            rep.append((_partials(part, cv, b, f, True), cov))
+        else:
+            continue
+        paired += cov is not None and ("c", "f") in cov
     se_r = _mean_stderr(rep) if repair is not None else None
     se_t = _mean_stderr(ret) if retention is not None else None
     unknown = (repair is not None and se_r is None) or (retention is not None and se_t is None)
@@ -103,4 +147,9 @@ def uncertainty(
             se_hm = max(se_r or 0.0, se_t or 0.0)
         else:
             se_hm = math.sqrt((d_r * (se_r or 0.0)) ** 2 + (d_t * (se_t or 0.0)) ** 2)
-    return {"repair_stderr": se_r, "retention_stderr": se_t, "hm_stderr": se_hm}
+    return {
+        "repair_stderr": se_r,
+        "retention_stderr": se_t,
+        "hm_stderr": se_hm,
+        "stderr_paired_benchmarks": paired,
+    }
