@@ -154,3 +154,34 @@ def test_items_that_do_not_average_to_the_score_are_refused(tmp_path):
             read_results(p)
     p.write_text(json.dumps({"arc": {"score": 50.0, "items": [1, 0, 0, 1]}}))
     assert read_results(p).scores["arc"].items == (100.0, 0.0, 0.0, 100.0)
+
+
+def test_lm_eval_logged_samples_are_the_items(tmp_path):
+    """``lm_eval --log_samples`` writes ``samples_<task>_<time>.jsonl`` beside
+    ``results_<time>.json``: each record's ``doc_id``, ``filter`` and metric value are a task's
+    items, in doc_id order; samples that do not average to the score are not used (a warning)."""
+    import json
+
+    from dghard_cli.scoring.results import read_results
+
+    stamp = "2026-12-07T10-00-00.000001"
+    d = tmp_path / "out" / "model"
+    d.mkdir(parents=True)
+    results = {
+        "results": {
+            "arc": {"acc,none": 0.5, "acc_stderr,none": 0.25},
+            "hella": {"acc_norm,none": 0.75, "acc_norm_stderr,none": 0.2, "acc,none": 0.1},
+        }
+    }
+    (d / f"results_{stamp}.json").write_text(json.dumps(results))
+    arc = [(3, True), (0, True), (2, False), (1, False), (1, 1.0)]  # the last: another filter
+    lines = [{"doc_id": i, "filter": "none", "acc": v} for i, v in arc[:4]]
+    lines.append({"doc_id": 1, "filter": "strict", "acc": arc[4][1]})
+    (d / f"samples_arc_{stamp}.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    hella = [{"doc_id": i, "filter": "none", "acc_norm": 1.0, "acc": 0.0} for i in range(3)]
+    (d / f"samples_hella_{stamp}.jsonl").write_text("\n".join(json.dumps(x) for x in hella))
+    rf = read_results(tmp_path / "out")
+    assert rf.scores["arc"].items == (100.0, 0.0, 0.0, 100.0)  # doc_id 0, 1, 2, 3
+    assert rf.scores["arc"].value == 50.0
+    assert rf.scores["hella"].items is None  # averages 1.0, not its score 0.75
+    assert any("hella" in w and "not paired" in w for w in rf.warnings), rf.warnings

@@ -332,13 +332,68 @@ def read_results(
     source = str(p)
     rule = metric if isinstance(metric, MetricRule) else MetricRule.parse(metric)
     if isinstance(doc, dict) and isinstance(doc.get("results"), dict):
-        return _read_lm_eval(doc, source, rule, dict(fixed or {}), scale, subtasks)
+        rf = _read_lm_eval(doc, source, rule, dict(fixed or {}), scale, subtasks)
+        rf.items = lm_eval_items(p, rf, roots)
+        rf.scores = with_items(rf.scores, rf.items, rf.units, rf.scale)
+        return rf
     if isinstance(doc, dict):
         return _read_plain(doc, source, scale)
     raise InputError(
         f"{source}: not an lm-evaluation-harness results file (no 'results' object) nor a "
         "{benchmark: score} JSON object"
     )
+
+
+#: Bytes one lm-eval samples file may have (it holds every document, prompt and response).
+SAMPLES_LIMIT = 512 * 1024 * 1024
+
+
+def lm_eval_items(path: Path, rf: ResultFile, roots: Sequence[Path] | None) -> dict[str, tuple[float, ...]]:
+    """Each task's per-item values from the samples lm-eval logged beside ``path``
+    (``--log_samples``: ``samples_<task>_<time>.jsonl`` next to ``results_<time>.json``), for the
+    metric and filter the task is scored by, in ``doc_id`` order. A task without such a file, or
+    whose items do not average to its score (a group aggregated otherwise than by size), has
+    none, with a warning for the latter."""
+    import json
+
+    from dghard_cli.io.files import read_bytes
+
+    stamp = path.stem.removeprefix("results_")
+    out: dict[str, tuple[float, ...]] = {}
+    if stamp == path.stem:
+        return out
+    roots = roots or (Path(os.path.realpath(path.parent)),)  # a samples file links nowhere else
+    for task, key in rf.metrics.items():
+        name, filt = _split_key(key)
+        samples = path.parent / f"samples_{task}_{stamp}.jsonl"
+        if not os.path.lexists(samples):
+            continue
+        text = read_bytes(samples, what="lm-eval samples file", limit=SAMPLES_LIMIT, roots=roots)
+        rows: list[tuple[int, float]] = []
+        for n, line in enumerate(text.decode("utf-8", errors="replace").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                raise InputError(f"{samples}: line {n} is not JSON") from None
+            if not isinstance(rec, dict) or (filt is not None and rec.get("filter") != filt):
+                continue
+            v, doc_id = rec.get(name), rec.get("doc_id")
+            if isinstance(v, bool):
+                v = float(v)
+            if not (_is_number(v) and math.isfinite(float(v)) and isinstance(doc_id, int)):
+                raise InputError(f"{samples}: line {n} has no numeric {name!r} and integer doc_id")
+            rows.append((doc_id, float(v)))
+        if len(rows) < 2:
+            continue
+        rows.sort()
+        value = rf.raw[task][0]
+        try:
+            out[task] = _read_items(str(samples), task, value, [v for _, v in rows])
+        except InputError as exc:
+            rf.warnings.append(f"{exc}; its standard error is not paired")
+    return out
 
 
 def load_results(path: str | Path, **kwargs) -> dict[str, Score]:
