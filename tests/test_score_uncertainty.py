@@ -185,3 +185,65 @@ def test_lm_eval_logged_samples_are_the_items(tmp_path):
     assert rf.scores["arc"].value == 50.0
     assert rf.scores["hella"].items is None  # averages 1.0, not its score 0.75
     assert any("hella" in w and "not paired" in w for w in rf.warnings), rf.warnings
+
+
+def test_hm_stderr_where_repair_equals_retention_is_the_smooth_one():
+    """At R = T > 0 the partials of 2RT/(R+T) are (0.5, 0.5): the min rule took max(se) there."""
+    base = {"a": (60.0, 2.0), "b": (40.0, 2.0)}
+    ft = {"a": (40.0, 2.0), "b": (60.0, 2.0)}
+    near = [
+        score_candidates(base, ft, {"c": {"a": (50.0, 2.0), "b": (50.0 + e, 2.0)}}, margin=5.0)
+        for e in (0, 1e-4)
+    ]
+    at, off = (d["candidates"][0]["hm_stderr"] for d in near)
+    assert at == pytest.approx(off, rel=1e-3)
+
+
+def _lm_eval_dir(tmp_path, name: str, samples: bytes):
+    import json
+
+    stamp = "2026-12-07T10-00-00.000001"
+    d = tmp_path / name / "model"
+    d.mkdir(parents=True)
+    (d / f"results_{stamp}.json").write_text(json.dumps({"results": {"t": {"acc,none": 0.5}}}))
+    (d / f"samples_t_{stamp}.jsonl").write_bytes(samples)
+    return tmp_path / name
+
+
+@pytest.mark.parametrize(
+    ("samples", "why"),
+    [
+        (
+            b'{"doc_id": 0, "filter": "none", "acc": [1, 0]}\n{"doc_id": 1, "filter": "none", "acc": [0, 0]}\n',
+            "not one number per item",
+        ),  # fmt: skip
+        (b'{"doc_id": 0, "filter": "none", "acc": 1}\n{"doc_id": 1, "filter": "no', "not JSON"),  # truncated
+        (b"[" * 200_000 + b"\n", "not JSON"),  # deeper than the parser goes
+        (
+            b'{"doc_id": 0, "filter": "none", "acc": 1}\n{"doc_id": 5, "filter": "none", "acc": 0}\n',
+            "doc_ids",
+        ),
+    ],
+)
+def test_samples_that_cannot_pair_are_a_warning_never_a_refusal(tmp_path, samples, why):
+    from dghard_cli.scoring.results import read_results
+
+    rf = read_results(_lm_eval_dir(tmp_path, "o", samples))
+    assert rf.scores["t"].value == 50.0 and rf.scores["t"].items is None
+    assert any(why in w and "not paired" in w for w in rf.warnings), rf.warnings
+
+
+def test_a_prompt_with_a_line_separator_is_one_line(tmp_path):
+    """lm-eval writes samples with ensure_ascii=False: U+2028 inside a prompt is raw, and
+    str.splitlines() split the record there."""
+    import json
+
+    from dghard_cli.scoring.results import read_results
+
+    recs = [
+        {"doc_id": i, "filter": "none", "doc": {"q": "a\u2028b\u0085c"}, "acc": float(i % 2)}
+        for i in range(4)
+    ]
+    data = "\n".join(json.dumps(r, ensure_ascii=False) for r in recs).encode()
+    rf = read_results(_lm_eval_dir(tmp_path, "o", data))
+    assert rf.scores["t"].items == (0.0, 100.0, 0.0, 100.0), rf.warnings

@@ -345,19 +345,58 @@ def read_results(
 
 
 #: Bytes one lm-eval samples file may have (it holds every document, prompt and response).
-SAMPLES_LIMIT = 512 * 1024 * 1024
+SAMPLES_LIMIT = 256 * 1024 * 1024
+
+
+def _sample_rows(samples: Path, name: str, filt: str | None, roots: Sequence[Path]) -> list[float] | str:
+    """A samples file's values of metric ``name`` (filter ``filt``) in doc_id order, or why it
+    cannot pair (a string): streamed line by line (lines end at ``\n`` only: lm-eval writes
+    prompts unescaped, U+2028 included), at most MAX_ITEMS records."""
+    import json
+
+    from dghard_cli.io.files import open_input
+
+    rows: list[tuple[int, float]] = []
+    try:
+        with open_input(samples, what="lm-eval samples file", roots=roots, limit=SAMPLES_LIMIT) as f:
+            buf, n = b"", 0
+            while True:
+                chunk = f.read(1 << 20)
+                buf += chunk
+                *lines, buf = buf.split(b"\n") if chunk else (*buf.split(b"\n"), b"")
+                for line in lines:
+                    n += 1
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except (ValueError, RecursionError):
+                        return f"line {n} is not JSON"
+                    if not isinstance(rec, dict) or (filt is not None and rec.get("filter") != filt):
+                        continue
+                    v, doc_id = rec.get(name), rec.get("doc_id")
+                    v = float(v) if isinstance(v, bool) else v
+                    if not (_is_number(v) and math.isfinite(float(v)) and isinstance(doc_id, int)):
+                        return f"line {n}: {name!r} is not one number per item"
+                    rows.append((doc_id, float(v)))
+                    if len(rows) > MAX_ITEMS:
+                        return f"more than {MAX_ITEMS} items"
+                if not chunk:
+                    break
+    except InputError as exc:
+        return str(exc)
+    rows.sort()
+    if [i for i, _ in rows] != list(range(len(rows))):
+        return "its doc_ids are not 0, 1, …, n−1 (a subset of the documents cannot be paired by position)"
+    return [v for _, v in rows]
 
 
 def lm_eval_items(path: Path, rf: ResultFile, roots: Sequence[Path] | None) -> dict[str, tuple[float, ...]]:
     """Each task's per-item values from the samples lm-eval logged beside ``path``
     (``--log_samples``: ``samples_<task>_<time>.jsonl`` next to ``results_<time>.json``), for the
-    metric and filter the task is scored by, in ``doc_id`` order. A task without such a file, or
-    whose items do not average to its score (a group aggregated otherwise than by size), has
-    none, with a warning for the latter."""
-    import json
-
-    from dghard_cli.io.files import read_bytes
-
+    metric and filter the task is scored by, in ``doc_id`` order. They only pair the standard
+    errors: a samples file that cannot (unreadable, not one number per item, a subset of the
+    documents, items that do not average to the score) is a warning, never a refusal."""
     stamp = path.stem.removeprefix("results_")
     out: dict[str, tuple[float, ...]] = {}
     if stamp == path.stem:
@@ -368,31 +407,16 @@ def lm_eval_items(path: Path, rf: ResultFile, roots: Sequence[Path] | None) -> d
         samples = path.parent / f"samples_{task}_{stamp}.jsonl"
         if not os.path.lexists(samples):
             continue
-        text = read_bytes(samples, what="lm-eval samples file", limit=SAMPLES_LIMIT, roots=roots)
-        rows: list[tuple[int, float]] = []
-        for n, line in enumerate(text.decode("utf-8", errors="replace").splitlines(), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                raise InputError(f"{samples}: line {n} is not JSON") from None
-            if not isinstance(rec, dict) or (filt is not None and rec.get("filter") != filt):
-                continue
-            v, doc_id = rec.get(name), rec.get("doc_id")
-            if isinstance(v, bool):
-                v = float(v)
-            if not (_is_number(v) and math.isfinite(float(v)) and isinstance(doc_id, int)):
-                raise InputError(f"{samples}: line {n} has no numeric {name!r} and integer doc_id")
-            rows.append((doc_id, float(v)))
-        if len(rows) < 2:
+        got = _sample_rows(samples, name, filt, roots)
+        if isinstance(got, str):
+            rf.warnings.append(f"{samples}: {got}; the standard errors of {task!r} are not paired")
             continue
-        rows.sort()
-        value = rf.raw[task][0]
+        if len(got) < 2:
+            continue
         try:
-            out[task] = _read_items(str(samples), task, value, [v for _, v in rows])
+            out[task] = _read_items(str(samples), task, rf.raw[task][0], got)
         except InputError as exc:
-            rf.warnings.append(f"{exc}; its standard error is not paired")
+            rf.warnings.append(f"{exc}; the standard errors of {task!r} are not paired")
     return out
 
 

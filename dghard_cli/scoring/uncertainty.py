@@ -99,9 +99,7 @@ def hm_partials(repair: float | None, retention: float | None) -> tuple[float, f
     if repair > 0 and retention > 0:
         s = (repair + retention) ** 2
         return 2.0 * retention**2 / s, 2.0 * repair**2 / s
-    if repair == retention:
-        return 0.5, 0.5  # a tie of the min: replaced by the larger se below
-    return (1.0, 0.0) if repair < retention else (0.0, 1.0)
+    return (1.0, 0.0) if repair < retention else (0.0, 1.0)  # a tie of the min: see uncertainty
 
 
 def uncertainty(
@@ -143,7 +141,8 @@ def uncertainty(
         se_hm = None
     else:
         d_r, d_t = hm_partials(repair, retention)
-        if d_r == d_t == 0.5:  # HM = min(R, T) at a tie: the larger of the two
+        tie_of_min = repair is not None and repair == retention and not repair > 0
+        if tie_of_min:  # HM = min(R, T) with R = T: the larger of the two ses
             se_hm = max(se_r or 0.0, se_t or 0.0)
         else:
             se_hm = math.sqrt((d_r * (se_r or 0.0)) ** 2 + (d_t * (se_t or 0.0)) ** 2)
