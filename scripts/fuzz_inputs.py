@@ -400,7 +400,7 @@ def _never_sets_pretrained(spec) -> None:
     table = option_table().table
     assert table is not None
     ns, _ = mirror_parser(table).parse_known_args(list(spec.args))
-    keys = [k for vs in getattr(ns, "model_args", []) for v in vs for k in model_arg_keys(v)]
+    keys = [k for vs in getattr(ns, "model_args", []) for k in model_arg_keys(vs)]
     keys += [kv.split("=", 1)[0].strip() for kv in spec.model_args.split(",") if spec.model_args]
     if "pretrained" in keys:
         raise AssertionError(f"--lm-eval-args {spec.args!r} / {spec.model_args!r} sets pretrained")

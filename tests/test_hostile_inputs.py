@@ -974,6 +974,7 @@ def test_the_reaper_ends_descendants_outside_the_group_on_timeout_too(tmp_path):
     pid = int(pid_file.read_text())
     status = Path(f"/proc/{pid}/status")
     assert not status.exists() or "zombie" in status.read_text(), "the daemon outlived the timeout"
+    pid_file.unlink()  # the second run's daemon writes its own
     run = run_command(cmd.replace("sleep 60", "true").replace("time.sleep(60)", "time.sleep(30)"),
                       tmp_path, tmp_path / "o.json", tmp_path / "logs2", timeout=None, label="y")  # fmt: skip
     assert run.status == "ok" and run.leftovers

@@ -585,11 +585,11 @@ def test_a_huge_weight_is_refused_or_merged_whatever_its_position(pair, tmp_path
     r = invoke(
         "merge", "--method", method, "--weights", weights, *extra, base, ft, ft, "--out", tmp_path / "o"
     )
-    if method == "ties":  # a normalised mean: the weights' scale does not matter, the merge is finite
-        assert r.exit_code == 0, r.output
-        return
     msg = one_line_error(r)
-    assert "overflow" in msg and "lower the strengths" in msg and "internal error" not in msg
+    assert "internal error" not in msg
+    # the merge overflows float32 (1e300·Δ), or, for TIES' weighted mean, whose scale does not
+    # matter, the small weight would vanish beside the large one in float32 (it did, silently)
+    assert ("overflow" in msg and "lower the strengths" in msg) or "a ratio torch.float32 cannot hold" in msg
     assert not (tmp_path / "o").exists()
 
 
@@ -628,6 +628,7 @@ def test_huge_weights_times_a_tiny_lambda_are_the_finite_merge_they_denote(pair,
 def test_effective_strengths_keep_the_coefficients_and_the_bits_in_range():
     import torch
 
+    from dghard_cli.errors import InputError
     from dghard_cli.methods.coefficients import effective_strengths
     from dghard_cli.methods.task_arithmetic import task_arithmetic_delta
     from dghard_cli.methods.ties import ties_delta
@@ -635,20 +636,23 @@ def test_effective_strengths_keep_the_coefficients_and_the_bits_in_range():
     assert effective_strengths([0.3, 2.0], 0.7, torch.float32) == ([0.3, 2.0], 0.7)  # in range: as given
     ws, lam = effective_strengths([1e300, 2e300], 1e-300, torch.float32)
     assert ws == [0.5, 1.0] and lam == pytest.approx(2.0)
-    assert effective_strengths([1.0, 1e300], 3.0, torch.float32, scale_free=True) == ([1e-300, 1.0], 3.0)
+    assert effective_strengths([1e30, 1.0], 3.0, torch.float32, scale_free=True) == ([1e30, 1.0], 3.0)
+    assert effective_strengths([1e-300, 1e-300], 1e300, torch.float32) == ([1.0, 1.0], pytest.approx(1.0))
+    with pytest.raises(InputError, match="ratio torch.float32 cannot hold"):  # 1e-300 would vanish
+        effective_strengths([1.0, 1e300], 3.0, torch.float32, scale_free=True)
     rng = np.random.default_rng(0)
     d = [rng.standard_normal((4, 5)).astype(np.float32) for _ in range(2)]
     got = task_arithmetic_delta([torch.from_numpy(x) for x in d], [1e300, 3e300], 1e-300)
     want = d[0].astype(np.float64) + 3 * d[1].astype(np.float64)
     np.testing.assert_allclose(got.numpy(), want, rtol=1e-6)
-    # TIES' weighted disjoint mean with weights (1, 1e300): where both agree, the second delta
+    # TIES' weighted disjoint mean with weights (1e39, 3e39), beyond float32: the same as (1, 3)
     t = [torch.from_numpy(x) for x in d]
-    got = ties_delta([x.clone() for x in t], [1.0, 1e300], 1.0).numpy().astype(np.float64)
+    got = ties_delta([x.clone() for x in t], [1e39, 3e39], 1.0).numpy().astype(np.float64)
     d64 = [x.astype(np.float64) for x in d]
-    sign = np.where(d64[0] * 1e-300 + d64[1] >= 0, 1.0, -1.0)
+    sign = np.where(d64[0] + 3 * d64[1] >= 0, 1.0, -1.0)
     agree = [(np.sign(x) == sign) & (x != 0) for x in d64]
-    num = d64[0] * agree[0] * 1e-300 + d64[1] * agree[1]
-    den = agree[0] * 1e-300 + agree[1] * 1.0
+    num = d64[0] * agree[0] + 3 * d64[1] * agree[1]
+    den = agree[0] * 1.0 + agree[1] * 3.0
     want = np.where(den > 0, num / np.where(den > 0, den, 1), 0.0)
     np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)
 

@@ -226,7 +226,6 @@ def test_lm_eval_args_that_lm_eval_itself_would_refuse_are_refused_up_front():
         """-sa'{"pretrained":"decoy"}'""",
         """--model_args '{"dtype":"float32","pretrained":"decoy"}'""",
         """--model_args='{"pre\\u0074rained":"decoy"}'""",  # a JSON escape lm-eval decodes
-        """-a dtype=float32 '{"pretrained":"decoy"}'""",
     ],
 )
 def test_json_model_args_are_read_as_lm_eval_reads_them(args):
@@ -234,6 +233,21 @@ def test_json_model_args_are_read_as_lm_eval_reads_them(args):
     pretrained={model}: every evaluation loaded the decoy, and the sweep chose on its scores."""
     with pytest.raises(InputError, match=re.escape("pretrained=...")):
         L.LmEvalSpec.parse("arc_easy", args)
+
+
+def test_lm_eval_args_read_as_lm_evals_merge_dict_action_reads_them():
+    """Only the first value of a --model_args may be JSON; later ones are key=value pairs whose
+    values may hold braces (lm-eval accepts them). An option without its value is refused in
+    one line (it was an internal error)."""
+    spec = L.LmEvalSpec.parse(
+        "arc_easy", """-a dtype=bfloat16 'chat_template_args={"enable_thinking":false}'"""
+    )
+    assert "dtype=bfloat16" in spec.model_args
+    with pytest.raises(InputError, match="expected key=value"):  # lm-eval fails on it: JSON only first
+        L.LmEvalSpec.parse("arc_easy", """-a dtype=float32 '{"pretrained":"decoy"}'""")
+    for bare in ("--num_fewshot", "--limit", "-a"):
+        with pytest.raises(InputError, match="needs a value|lm-eval would refuse it"):
+            L.LmEvalSpec.parse("arc_easy", bare)
 
 
 def test_json_model_args_without_pretrained_pass_through_whole():

@@ -17,6 +17,13 @@ def _fmt_score(v: float | None, spec: str = ".2f", suffix: str = "") -> str:
     return "—" if v is None else f"{v:{spec}}{suffix}"
 
 
+def _pm(v: float | None, se: float | None, spec: str = ".1f", suffix: str = "") -> str:
+    """``v ± se`` (the value alone where its standard error is unknown)."""
+    if v is None or se is None:
+        return _fmt_score(v, spec, suffix)
+    return f"{v:{spec}} ± {se:{spec}}{suffix}"
+
+
 def render_score(console, doc: dict) -> None:
     """Tables for the terminal: benchmarks and partitions, one per candidate, the ranking."""
 
@@ -62,8 +69,8 @@ def render_score(console, doc: dict) -> None:
         console.print(ct)
         console.print(
             Text(
-                f"  HM {_fmt_score(cd['hm'], '.1f')}   repair {_fmt_score(cd['repair'], '.1f', ' %')}"
-                f"   retention {_fmt_score(cd['retention'], '.1f', ' %')}"
+                f"  HM {_pm(cd['hm'], cd.get('hm_stderr'))}   repair {_pm(cd['repair'], cd.get('repair_stderr'), '.1f', ' %')}"
+                f"   retention {_pm(cd['retention'], cd.get('retention_stderr'), '.1f', ' %')}"
             )
         )
         line = f"  unchanged {_fmt_score(cd['unchanged_mean_change'], '+.2f', ' pt')}"
@@ -81,7 +88,7 @@ def render_score(console, doc: dict) -> None:
             rt.add_row(
                 str(i),
                 Text(n),
-                _fmt_score(cd["hm"], ".1f"),
+                _pm(cd["hm"], cd.get("hm_stderr")),
                 _fmt_score(cd["repair"], ".1f"),
                 _fmt_score(cd["retention"], ".1f"),
                 _fmt_score(cd["unchanged_mean_change"], "+.2f"),

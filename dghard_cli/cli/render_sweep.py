@@ -51,7 +51,7 @@ def render_sweep(console: Console, doc: dict) -> None:
             status,
             _fmt_sweep(r["repair"]),
             _fmt_sweep(r["retention"]),
-            _fmt_sweep(r["hm"]),
+            _fmt_sweep(r["hm"]) + (f" ± {r['hm_stderr']:.1f}" if r.get("hm_stderr") is not None else ""),
             *([_fmt_sweep(r.get("normalised_accuracy"))] if norm else []),
             _fmt_sweep(r["target_retention_mean"]),
             _fmt_sweep(r["distance"], ".3f"),
@@ -71,7 +71,9 @@ def render_sweep(console: Console, doc: dict) -> None:
     if w:
         console.print(
             Text(
-                f"winner: {w['name']}  HM {_fmt_sweep(w['hm'])}  repair {_fmt_sweep(w['repair'])} %  retention "
+                f"winner: {w['name']}  HM {_fmt_sweep(w['hm'])}"
+                + (f" ± {w['hm_stderr']:.1f}" if w.get("hm_stderr") is not None else "")
+                + f"  repair {_fmt_sweep(w['repair'])} %  retention "
                 f"{_fmt_sweep(w['retention'])} %"
                 + (
                     f"  normalised accuracy {_fmt_sweep(w.get('normalised_accuracy'))} %"

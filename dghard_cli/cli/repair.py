@@ -61,6 +61,11 @@ REPAIR_EPILOG = """
     dghard repair BASE FT OUT --format peft        # the repair as a PEFT LoRA adapter (rank = kept rank)
 
     dghard repair BASE ADAPTER OUT --merge         # FT a LoRA adapter: repair the merged checkpoint
+
+**On real fine-tunes** the cut finds no noise bulk in most deltas and keeps nearly all of the update
+(the verdict says so): the output is then close to the fine-tune. A plain strength repairs more
+(`--lines 0.2,0.6`, or `dghard merge --method wise-ft --alpha 0.4`); `dghard sweep` chooses one
+with your own evaluation (docs/repair.md).
 """
 
 

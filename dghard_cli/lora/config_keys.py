@@ -193,11 +193,16 @@ def _words_apart(key: str, known: str) -> int | None:
     return d if d <= (1 if min(len(x), len(y)) <= 4 else TYPO_EDITS) else None
 
 
+#: Longest key checked for a typo (PEFT's longest is 24 characters): a 1 MB key cost minutes.
+MAX_TYPO_KEY = 64
+
+
 def _near_miss(key: str, known: frozenset[str]) -> str | None:
     """The known key one typo away from ``key`` (the closest; None if none)."""
-    if len(key) < 3:
+    if not 3 <= len(key) <= MAX_TYPO_KEY:
         return None
-    found = [(d, k) for k in known if (d := _words_apart(key, k)) is not None]
+    near = (k for k in known if abs(len(k) - len(key)) <= TYPO_EDITS)  # more edits than that: no typo
+    found = [(d, k) for k in near if (d := _words_apart(key, k)) is not None]
     return min(found)[1] if found else None
 
 

@@ -20,16 +20,34 @@ from collections.abc import Sequence
 
 import torch
 
+from dghard_cli.errors import InputError
+
 
 def effective_strengths(
     weights: Sequence[float], lam: float, dtype: torch.dtype, *, scale_free: bool = False
 ) -> tuple[list[float], float]:
     """``(weights, λ)`` that an accumulation in ``dtype`` can apply, with the same effective
     coefficients ``λ·w_i``; ``scale_free``: the result does not depend on the weights' scale
-    (a weighted mean, the sign of a weighted sum), so λ stays as given."""
+    (a weighted mean, the sign of a weighted sum), so λ stays as given. Weights or a λ outside
+    ``dtype``'s normal range (``--weights 1e-300,1e-300 --lambda 1e300`` too) are rescaled; weights
+    whose ratio ``dtype`` cannot hold (1e300 beside 1 in float32: the small one would vanish
+    without a word) are an InputError."""
     ws = [float(w) for w in weights]
-    fmax = torch.finfo(dtype).max if dtype.is_floating_point else float("inf")
-    if all(abs(w) <= fmax for w in ws):
+    info = torch.finfo(dtype) if dtype.is_floating_point else None
+    if info is None:
         return ws, lam
-    m = max(abs(w) for w in ws)  # finite: the options refuse NaN and Inf
-    return [w / m for w in ws], lam if scale_free else lam * m
+    mags = [abs(w) for w in ws if w != 0.0]
+    in_range = all(info.tiny <= a <= info.max for a in mags) and (
+        lam == 0.0 or info.tiny <= abs(lam) <= info.max
+    )
+    if in_range or not mags:
+        return ws, lam
+    m = max(mags)  # finite: the options refuse NaN and Inf
+    scaled = [w / m for w in ws]
+    if min(abs(w) for w in scaled if w != 0.0) < info.tiny:
+        raise InputError(
+            f"--weights {','.join(f'{w:g}' for w in ws)}: the smallest weight is less than {info.tiny:.3g} "
+            f"of the largest, a ratio {dtype} cannot hold, so its task vector would vanish from the merge; "
+            "give weights within that ratio (or set the small one to 0)"
+        )
+    return scaled, lam if scale_free else lam * m

@@ -19,6 +19,7 @@ from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.scoring import scales
 from dghard_cli.scoring.results import MAX_SCORE, ResultFile, Score, ScoreLike, _is_number
+from dghard_cli.scoring.uncertainty import uncertainty
 
 SCHEMA_VERSION = 1
 
@@ -179,7 +180,7 @@ def score_candidates(
         extra_c = [k for k in c if k not in b]
         if extra_c:
             warnings.append(f"candidate {name!r}: benchmarks not in the base ignored: {', '.join(extra_c)}")
-        cands.append(score_one(name, lab, c, benchmarks, rules))
+        cands.append(score_one(name, lab, c, benchmarks, rules, base=b, ft=f))
     order = ranking(cands)
     for cd in cands:
         cd["rank"] = order.index(cd["name"]) + 1
@@ -303,8 +304,18 @@ def coverage(counts: dict[str, int], benchmarks: list[dict], rules: Rules, warni
     return notes
 
 
-def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict], rules: Rules) -> dict:
-    """One candidate's scores: per benchmark (by its partition), % repair, % retention, HM."""
+def score_one(
+    name: str,
+    source: str,
+    c: dict[str, Score],
+    benchmarks: list[dict],
+    rules: Rules,
+    *,
+    base: dict[str, Score] | None = None,
+    ft: dict[str, Score] | None = None,
+) -> dict:
+    """One candidate's scores: per benchmark (by its partition), % repair, % retention, HM, and
+    their standard errors (item by item where ``base``, ``ft`` and ``c`` list the items)."""
     rows = []
     rep, ret, unch, tgt, norm = [], [], [], {}, []
     for bm in benchmarks:
@@ -345,12 +356,23 @@ def score_one(name: str, source: str, c: dict[str, Score], benchmarks: list[dict
         )
     repair, retention = _mean(rep), _mean(ret)
     defined_t = [v for v in tgt.values() if v is not None]
+    se = uncertainty(
+        c,
+        benchmarks,
+        repair,
+        retention,
+        base=base,
+        ft=ft,
+        targets_in_retention=rules.targets_in_retention,
+        unchanged_in_repair=rules.unchanged_in_repair,
+    )
     return {
         "name": name,
         "source": source,
         "repair": repair,
         "retention": retention,
         "hm": harmonic_mean(repair, retention),
+        **se,
         "normalised_accuracy": _mean(norm),
         "unchanged_mean_change": _mean(unch),
         "target_retention": tgt,

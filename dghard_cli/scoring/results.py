@@ -41,10 +41,17 @@ MAX_SCORE = 1e12
 
 
 class Score(NamedTuple):
-    """One benchmark's score and standard error, in points (stderr None when unknown)."""
+    """One benchmark's score and standard error, in points (stderr None when unknown), and its
+    per-item values where the results give them (``items``, in points, in the evaluation's item
+    order: scores of several models on the same items are then compared item by item)."""
 
     value: float
     stderr: float | None = None
+    items: tuple[float, ...] | None = None
+
+
+#: Items one benchmark may list (far beyond any benchmark: MMLU has 14 042).
+MAX_ITEMS = 10_000_000
 
 
 ScoreLike = Union[Score, float, int, tuple]
@@ -63,6 +70,8 @@ class ResultFile:
     #: --units auto: each benchmark's unit (score.scales); empty when --units forced one
     units: dict[str, str] = field(default_factory=dict)
     raw: dict[str, tuple[float, float | None]] = field(default_factory=dict)  # as the file has them
+    #: per-item values, in the unit of the file's score (see Score.items)
+    items: dict[str, tuple[float, ...]] = field(default_factory=dict)
 
     def describe(self) -> dict:
         d: dict = {"path": self.source, "format": self.format, "scale": self.scale}
@@ -323,13 +332,92 @@ def read_results(
     source = str(p)
     rule = metric if isinstance(metric, MetricRule) else MetricRule.parse(metric)
     if isinstance(doc, dict) and isinstance(doc.get("results"), dict):
-        return _read_lm_eval(doc, source, rule, dict(fixed or {}), scale, subtasks)
+        rf = _read_lm_eval(doc, source, rule, dict(fixed or {}), scale, subtasks)
+        rf.items = lm_eval_items(p, rf, roots)
+        rf.scores = with_items(rf.scores, rf.items, rf.units, rf.scale)
+        return rf
     if isinstance(doc, dict):
         return _read_plain(doc, source, scale)
     raise InputError(
         f"{source}: not an lm-evaluation-harness results file (no 'results' object) nor a "
         "{benchmark: score} JSON object"
     )
+
+
+#: Bytes one lm-eval samples file may have (it holds every document, prompt and response).
+SAMPLES_LIMIT = 256 * 1024 * 1024
+
+
+def _sample_rows(samples: Path, name: str, filt: str | None, roots: Sequence[Path]) -> list[float] | str:
+    """A samples file's values of metric ``name`` (filter ``filt``) in doc_id order, or why it
+    cannot pair (a string): streamed line by line (lines end at ``\n`` only: lm-eval writes
+    prompts unescaped, U+2028 included), at most MAX_ITEMS records."""
+    import json
+
+    from dghard_cli.io.files import open_input
+
+    rows: list[tuple[int, float]] = []
+    try:
+        with open_input(samples, what="lm-eval samples file", roots=roots, limit=SAMPLES_LIMIT) as f:
+            buf, n = b"", 0
+            while True:
+                chunk = f.read(1 << 20)
+                buf += chunk
+                *lines, buf = buf.split(b"\n") if chunk else (*buf.split(b"\n"), b"")
+                for line in lines:
+                    n += 1
+                    if not line.strip():
+                        continue
+                    try:
+                        rec = json.loads(line)
+                    except (ValueError, RecursionError):
+                        return f"line {n} is not JSON"
+                    if not isinstance(rec, dict) or (filt is not None and rec.get("filter") != filt):
+                        continue
+                    v, doc_id = rec.get(name), rec.get("doc_id")
+                    v = float(v) if isinstance(v, bool) else v
+                    if not (_is_number(v) and math.isfinite(float(v)) and isinstance(doc_id, int)):
+                        return f"line {n}: {name!r} is not one number per item"
+                    rows.append((doc_id, float(v)))
+                    if len(rows) > MAX_ITEMS:
+                        return f"more than {MAX_ITEMS} items"
+                if not chunk:
+                    break
+    except InputError as exc:
+        return str(exc)
+    rows.sort()
+    if [i for i, _ in rows] != list(range(len(rows))):
+        return "its doc_ids are not 0, 1, …, n−1 (a subset of the documents cannot be paired by position)"
+    return [v for _, v in rows]
+
+
+def lm_eval_items(path: Path, rf: ResultFile, roots: Sequence[Path] | None) -> dict[str, tuple[float, ...]]:
+    """Each task's per-item values from the samples lm-eval logged beside ``path``
+    (``--log_samples``: ``samples_<task>_<time>.jsonl`` next to ``results_<time>.json``), for the
+    metric and filter the task is scored by, in ``doc_id`` order. They only pair the standard
+    errors: a samples file that cannot (unreadable, not one number per item, a subset of the
+    documents, items that do not average to the score) is a warning, never a refusal."""
+    stamp = path.stem.removeprefix("results_")
+    out: dict[str, tuple[float, ...]] = {}
+    if stamp == path.stem:
+        return out
+    roots = roots or (Path(os.path.realpath(path.parent)),)  # a samples file links nowhere else
+    for task, key in rf.metrics.items():
+        name, filt = _split_key(key)
+        samples = path.parent / f"samples_{task}_{stamp}.jsonl"
+        if not os.path.lexists(samples):
+            continue
+        got = _sample_rows(samples, name, filt, roots)
+        if isinstance(got, str):
+            rf.warnings.append(f"{samples}: {got}; the standard errors of {task!r} are not paired")
+            continue
+        if len(got) < 2:
+            continue
+        try:
+            out[task] = _read_items(str(samples), task, rf.raw[task][0], got)
+        except InputError as exc:
+            rf.warnings.append(f"{exc}; the standard errors of {task!r} are not paired")
+    return out
 
 
 def load_results(path: str | Path, **kwargs) -> dict[str, Score]:
@@ -340,8 +428,32 @@ def load_results(path: str | Path, **kwargs) -> dict[str, Score]:
     return read_results(path, **kwargs).scores
 
 
+def _read_items(source: str, name: str, value: float, items: object) -> tuple[float, ...]:
+    """A benchmark's per-item values, in the unit of its score: their mean must be the score,
+    or the score / 100 (0/1 correctness beside a score in points). InputError otherwise."""
+    where = f"{source}: benchmark {name!r}: items"
+    if not isinstance(items, list) or len(items) < 2:
+        raise InputError(f"{where} must be a list of at least 2 per-item values (0/1 or scores)")
+    if len(items) > MAX_ITEMS:
+        raise InputError(f"{where}: {len(items)} values, more than {MAX_ITEMS} (is this a benchmark?)")
+    if not all(_is_number(x) and math.isfinite(float(x)) and abs(float(x)) <= MAX_SCORE for x in items):
+        raise InputError(f"{where} must all be finite numbers")
+    xs = tuple(float(x) for x in items)
+    mean = math.fsum(xs) / len(xs)
+    tol = 1e-6 * max(1.0, abs(value))
+    if abs(mean - value) <= tol:
+        return xs
+    if abs(100.0 * mean - value) <= tol:
+        return tuple(100.0 * x for x in xs)
+    raise InputError(
+        f"{where} average {mean:.6g}, not the score {value:.6g} (nor its hundredth): give the "
+        "values the score is the mean of, in the evaluation's item order"
+    )
+
+
 def _read_plain(doc: dict, source: str, scale: str) -> ResultFile:
     raw: dict[str, tuple[float, float | None]] = {}
+    items: dict[str, tuple[float, ...]] = {}
     for name, val in doc.items():
         if _is_number(val):
             v, se = float(val), None
@@ -350,14 +462,33 @@ def _read_plain(doc: dict, source: str, scale: str) -> ResultFile:
         else:
             raise InputError(
                 f"{source}: benchmark {name!r} is {type(val).__name__}, not a number; expected "
-                '{"benchmark": score} (or {"benchmark": {"score": x, "stderr": y}})'
+                '{"benchmark": score} (or {"benchmark": {"score": x, "stderr": y, "items": [...]}})'
             )
         check_score(source, str(name), v, se)
         raw[str(name)] = (v, se)
+        if isinstance(val, dict) and val.get("items") is not None:
+            items[str(name)] = _read_items(source, str(name), v, val["items"])
     if not raw:
         raise InputError(f"{source}: no benchmark scores in this file")
     used, scores, units = _apply_scale(raw, scale, source)
-    return ResultFile(source=source, format="plain", scale=used, scores=scores, units=units, raw=raw)
+    scores = with_items(scores, items, units, used)
+    return ResultFile(
+        source=source, format="plain", scale=used, scores=scores, units=units, raw=raw, items=items
+    )
+
+
+def with_items(
+    scores: dict[str, Score], items: Mapping[str, tuple[float, ...]], units: Mapping[str, str], scale: str
+) -> dict[str, Score]:
+    """``scores`` with each benchmark's items in points: multiplied by what its score was (100
+    for a fraction)."""
+    if not items:
+        return scores
+    out = dict(scores)
+    for k, xs in items.items():
+        f = 100.0 if (units.get(k) == scales.FRACTION or (not units and scale == "fraction")) else 1.0
+        out[k] = out[k]._replace(items=tuple(f * x for x in xs))
+    return out
 
 
 def _read_lm_eval(

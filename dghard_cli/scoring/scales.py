@@ -91,7 +91,16 @@ def reconcile(files: Sequence) -> list:
             out.append(rf)
             continue
         pts = to_points(rf.raw, new)
-        scores = {k: type(sc)(*pts[k]) for k, sc in rf.scores.items()}
+        scores = {
+            k: sc._replace(
+                value=pts[k][0],
+                stderr=pts[k][1],
+                items=None
+                if getattr(rf, "items", {}).get(k) is None
+                else tuple((100.0 if new[k] == FRACTION else 1.0) * x for x in rf.items[k]),
+            )
+            for k, sc in rf.scores.items()
+        }
         out.append(dataclasses.replace(rf, units=new, scale=file_unit(new), scores=scores))
     return out
 

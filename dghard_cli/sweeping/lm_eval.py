@@ -103,7 +103,7 @@ class LmEvalSpec:
                     if i >= len(words):
                         raise InputError(f"--lm-eval-args: {name} needs a value (key=value,...)")
                     value = words[i]
-                if "pretrained" in model_arg_keys(value):
+                if "pretrained" in model_arg_keys([value]):
                     raise InputError(
                         "--lm-eval-args: --model_args pretrained=... is set by the sweep (each candidate's directory)"
                     )

@@ -19,6 +19,7 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
 
@@ -167,22 +168,55 @@ def mirror_parser(table: Table) -> argparse.ArgumentParser:
     return parser
 
 
-def model_arg_keys(value: str) -> list[str]:
-    """The keys lm-eval reads from one ``--model_args`` value: a JSON object's (escapes decoded,
-    as ``json.loads`` does), else those of its ``key=value`` pairs. A value with ``{`` that is
-    not JSON is refused, as lm-eval refuses it."""
-    text = str(value).strip()
+def model_arg_keys(values: Sequence[str]) -> list[str]:
+    """The keys lm-eval reads from one ``--model_args`` occurrence's values, as its
+    ``MergeDictAction`` does: the first value as a JSON object where it is one (escapes decoded,
+    as ``json.loads`` does; a first value with ``{`` that is not JSON is refused, as lm-eval
+    refuses it), else every value's ``key=value`` pairs (``chat_template_args={...}`` included).
+    A ``key=value`` list is split at its top-level commas, as lm-eval splits it."""
+    vals = [str(v).strip() for v in values]
+    if not vals:
+        return []
+    rest = vals
     try:
-        obj = json.loads(text)
-    except ValueError:
-        if "{" in text:
+        obj = json.loads(vals[0])
+    except (ValueError, RecursionError):
+        if "{" in vals[0]:
             raise InputError(
-                f"--lm-eval-args: lm-eval would refuse the model arguments {text[:80]!r} (not valid JSON)"
+                f"--lm-eval-args: lm-eval would refuse the model arguments {vals[0][:80]!r} (not valid JSON)"
             ) from None
         obj = None
+    keys: list[str] = []
     if isinstance(obj, dict):
-        return [str(k).strip() for k in obj]
-    return [kv.split("=", 1)[0].strip() for kv in text.split(",")]
+        return [str(k).strip() for k in obj]  # lm-eval merges the object and ignores the rest
+    for v in rest:
+        for item in _top_level_items(v):
+            if "=" not in item:
+                raise InputError(
+                    f"--lm-eval-args: lm-eval would refuse the model argument {item[:80]!r} (expected key=value)"
+                )
+            keys.append(item.split("=", 1)[0].strip())
+    return keys
+
+
+def _top_level_items(text: str) -> list[str]:
+    """``text`` split at the commas outside brackets, braces and quotes (how lm-eval splits a
+    ``key=value,...`` list, so ``chat_template_args={"a":1,"b":2}`` is one item)."""
+    items, start, depth, quote = [], 0, 0, ""
+    for i, ch in enumerate(text):
+        if quote:
+            quote = "" if ch == quote else quote
+        elif ch in "\"'":
+            quote = ch
+        elif ch in "[({":
+            depth += 1
+        elif ch in "])}":
+            depth = max(depth - 1, 0)
+        elif ch == "," and depth == 0:
+            items.append(text[start:i])
+            start = i + 1
+    items.append(text[start:])
+    return [it for it in items if it]
 
 
 def _refuse_pretrained(keys: list[str], word: str) -> None:
@@ -219,10 +253,14 @@ def check_as_lm_eval_reads(words: list[str]) -> None:
                     f"--lm-eval-args: {w} is lm-eval's {option}, which is set by {owner}; leave it out"
                 )
         for values in getattr(ns, "model_args", []):
-            given = [v for v in values if v != "x"] or values
-            _refuse_pretrained([k for v in given for k in model_arg_keys(v)], w)
+            given = [v for v in values if v != "x"]  # "x": the placeholder value of this pass
+            if given:
+                _refuse_pretrained(model_arg_keys(given), w)
     # the whole list, as lm-eval reads it: --model_args takes several values (nargs "+"), so
     # "--model_args dtype=x pretrained=y" sets pretrained too; and what lm-eval would refuse
-    ns, _ = parser.parse_known_args(words)
+    try:
+        ns, _ = parser.parse_known_args(words)
+    except argparse.ArgumentError as exc:  # an option without its value: lm-eval exits with it
+        raise InputError(f"--lm-eval-args: lm-eval would refuse it ({exc})") from None
     for vs in getattr(ns, "model_args", []):
-        _refuse_pretrained([k for v in vs for k in model_arg_keys(v)], "--model_args")
+        _refuse_pretrained(model_arg_keys(vs), "--model_args")

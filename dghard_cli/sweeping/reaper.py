@@ -84,18 +84,35 @@ def _reap() -> None:
             return
 
 
+#: Seconds past the grace period after which the reaper stops waiting for descendants it
+#: cannot end (one it may not signal, one in uninterruptible sleep): it reports them instead.
+GIVE_UP_S = 5.0
+
+
 def end_descendants(grace: float = GRACE_S) -> int:
     """SIGTERM to every descendant, SIGKILL to those left after ``grace`` seconds (and to any
-    started meanwhile), each reaped. Returns how many there were."""
+    started meanwhile), each reaped; after ``grace + GIVE_UP_S`` it stops waiting. Returns how
+    many there were."""
     me = os.getpid()
     seen: set[int] = set()
-    deadline = time.monotonic() + grace
+    start = time.monotonic()
+    deadline, give_up = start + grace, start + grace + GIVE_UP_S
     sig = signal.SIGTERM
+    quiet = 0
     while True:
         _reap()
         left = descendants(me)
-        if not left:
+        if time.monotonic() >= give_up:
             return len(seen)
+        if not left:
+            # a scan of /proc can miss a process whose parent exits mid-scan (its chain to us is
+            # broken until the kernel re-parents it to us): done after two empty scans in a row
+            quiet += 1
+            if quiet >= 2:
+                return len(seen)
+            time.sleep(0.05)
+            continue
+        quiet = 0
         seen.update(left)
         if time.monotonic() >= deadline:
             sig = signal.SIGKILL

@@ -52,6 +52,7 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
                 "value",
                 "params",
                 "hm",
+                "hm_stderr",
                 "repair",
                 "retention",
                 "normalised_accuracy",
@@ -89,7 +90,7 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
         nm = {"base": "BASE", "ft": "FT"}.get(label, f"FT #{label[2:]}")
         sc = s.ref_scores.get(nm)
         if sc:
-            ref.update(repair=sc["repair"], retention=sc["retention"], hm=sc["hm"])
+            ref.update(repair=sc["repair"], retention=sc["retention"], hm=sc["hm"], hm_stderr=sc["hm_stderr"])
     inputs = {"base": s.base_ck.describe()}
     if len(s.ft_cks) == 1:
         inputs["ft"] = s.ft_cks[0].describe()

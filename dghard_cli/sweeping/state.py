@@ -93,6 +93,9 @@ class CandidateRow(TypedDict, total=False):
     repair: float | None
     retention: float | None
     hm: float | None
+    repair_stderr: float | None
+    retention_stderr: float | None
+    hm_stderr: float | None
     normalised_accuracy: float | None
     unchanged_mean_change: float | None
     target_retention: dict | None
