@@ -77,10 +77,17 @@ def freeze(python: str) -> dict[str, str]:
     return pins
 
 
+def cuda_runtime(name: str) -> bool:
+    """A wheel that only torch's CUDA build pulls in (``.ci/run``'s fallback where PyTorch's CPU
+    index is unreachable): pinned by that torch build itself, not by this CPU lock."""
+    return name.startswith("nvidia-") or name in ("triton", "cuda-bindings", "cuda-pathfinder")
+
+
 def compare(installed: dict[str, str], pinned: dict[str, str]) -> list[str]:
-    """One line per package installed at another version than pinned, or installed unpinned."""
+    """One line per package installed at another version than pinned, or installed unpinned
+    (torch's CUDA runtime wheels excepted: :func:`cuda_runtime`)."""
     problems = []
-    for name in sorted(installed):
+    for name in sorted(n for n in installed if not cuda_runtime(n)):
         if name not in pinned:
             problems.append(f"{name}=={installed[name]} is installed but not pinned")
         elif installed[name] != pinned[name]:
