@@ -131,7 +131,16 @@ def test_an_overflow_advises_the_strengths_each_command_has(tmp_path):
     assert "lower the strengths (--lines, --layer-strengths" in msg, msg
     names_only_its_options("repair", msg)
     msg = refusal(
-        "merge", "--method", "task-arithmetic", "--weights", "1,1e300", base, ft, ft, "--out", tmp_path / "m"
+        "merge",
+        "--method",
+        "task-arithmetic",
+        "--weights",
+        "1e300,1e300",
+        base,
+        ft,
+        ft,
+        "--out",
+        tmp_path / "m",
     )
     assert "lower the strengths (--lambda, --alpha, --weights, --lines, --layer-strengths" in msg, msg
     names_only_its_options("merge", msg)

@@ -28,25 +28,24 @@ def effective_strengths(
 ) -> tuple[list[float], float]:
     """``(weights, λ)`` that an accumulation in ``dtype`` can apply, with the same effective
     coefficients ``λ·w_i``; ``scale_free``: the result does not depend on the weights' scale
-    (a weighted mean, the sign of a weighted sum), so λ stays as given. Weights or a λ outside
-    ``dtype``'s normal range (``--weights 1e-300,1e-300 --lambda 1e300`` too) are rescaled; weights
+    (a weighted mean, the sign of a weighted sum), so λ stays as given. Weights that are not
+    values of ``dtype`` (beyond its largest, or below its smallest subnormal:
+    ``--weights 1e-300,1e-300 --lambda 1e300``) are rescaled; weights
     whose ratio ``dtype`` cannot hold (1e300 beside 1 in float32: the small one would vanish
     without a word) are an InputError."""
     ws = [float(w) for w in weights]
     info = torch.finfo(dtype) if dtype.is_floating_point else None
     if info is None:
         return ws, lam
+    lowest = info.tiny * info.eps  # the smallest subnormal: a smaller weight rounds to 0 in dtype
     mags = [abs(w) for w in ws if w != 0.0]
-    in_range = all(info.tiny <= a <= info.max for a in mags) and (
-        lam == 0.0 or info.tiny <= abs(lam) <= info.max
-    )
-    if in_range or not mags:
-        return ws, lam
+    if not mags or all(lowest <= a <= info.max for a in mags):
+        return ws, lam  # every weight is a value of dtype (subnormal ones included): as given
     m = max(mags)  # finite: the options refuse NaN and Inf
     scaled = [w / m for w in ws]
-    if min(abs(w) for w in scaled if w != 0.0) < info.tiny:
+    if min(abs(w) for w in scaled if w != 0.0) < lowest:
         raise InputError(
-            f"--weights {','.join(f'{w:g}' for w in ws)}: the smallest weight is less than {info.tiny:.3g} "
+            f"--weights {','.join(f'{w:g}' for w in ws)}: the smallest weight is less than {lowest:.3g} "
             f"of the largest, a ratio {dtype} cannot hold, so its task vector would vanish from the merge; "
             "give weights within that ratio (or set the small one to 0)"
         )

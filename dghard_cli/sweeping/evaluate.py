@@ -178,7 +178,19 @@ def _end_leftovers(proc: subprocess.Popen) -> bool:
     return True
 
 
-def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
+def _command_exited(status: Path | None) -> bool:
+    """Whether the reaper reports that the command itself has exited (it is ending what the
+    command left running): an interruption then keeps the evaluation's result."""
+    if status is None:
+        return False
+    try:
+        doc = json.loads(status.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(doc, dict) and isinstance(doc.get("command_rc"), int)
+
+
+def _wait(proc: subprocess.Popen, timeout: float | None, status: Path | None = None) -> int:
     """``proc.wait(timeout)`` in short steps, so that an interruption delivered between Python
     bytecodes (Ray's cancel of a task) or :func:`terminate_running` reaches this thread within a
     fraction of a second; an evaluation the interruption killed raises EvaluationCancelled (it
@@ -186,6 +198,9 @@ def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if _CANCEL.is_set():
+            if _command_exited(status):  # finished: the reaper is ending its leftovers; keep it
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    return proc.wait(timeout=KILL_GRACE_S + 10)
             raise EvaluationCancelled("the sweep was interrupted")
         step = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
         try:
@@ -194,7 +209,7 @@ def _wait(proc: subprocess.Popen, timeout: float | None) -> int:
             if deadline is not None and time.monotonic() >= deadline:
                 raise
             continue
-        if rc != 0 and _CANCEL.is_set():  # killed by the interruption: not a result of its own
+        if rc != 0 and _CANCEL.is_set() and not _command_exited(status):  # killed by the interruption
             raise EvaluationCancelled("the sweep was interrupted")
         return rc
 
@@ -239,7 +254,7 @@ def run_command(
         with _RUNNING_LOCK:
             _RUNNING.add(proc)
         try:
-            rc = _wait(proc, timeout)
+            rc = _wait(proc, timeout, status)
             leftovers = _end_leftovers(proc) | _reaped(status)
         except subprocess.TimeoutExpired:
             _kill_group(proc)

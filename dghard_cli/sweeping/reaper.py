@@ -122,6 +122,15 @@ def end_descendants(grace: float = GRACE_S) -> int:
         time.sleep(0.05)
 
 
+def _status(path: str, doc: dict) -> None:
+    """Write ``doc`` to ``path`` whole (a reader never sees half of it)."""
+    tmp = f"{path}.tmp"
+    with contextlib.suppress(OSError):
+        with open(tmp, "w", encoding="utf-8") as fh:
+            json.dump(doc, fh)
+        os.replace(tmp, path)
+
+
 def main(argv: list[str]) -> int:
     status_file, command = argv[1], argv[2]
     subreaper = become_subreaper()
@@ -140,10 +149,17 @@ def main(argv: list[str]) -> int:
         except subprocess.TimeoutExpired:
             if stopping:
                 end_descendants()
+    # stopped: a stop came and the command did not succeed (a success is its own result even
+    # when a stop reached this script just after it, before the exit was seen)
+    stopped_before = bool(stopping) and rc != 0
+    # a command that exited on its own is reported first: a sweep interrupted during the clean-up
+    # below keeps its result (it waits for this script instead of discarding the evaluation);
+    # one ended by a stop has no result of its own
+    done = {"stopped": True} if stopped_before else {"command_rc": rc}
+    _status(status_file, {**done, "subreaper": subreaper})
     leftovers = end_descendants() if subreaper else 0
-    with contextlib.suppress(OSError), open(status_file, "w", encoding="utf-8") as fh:
-        json.dump({"leftovers": leftovers, "subreaper": subreaper}, fh)
-    if stopping:
+    _status(status_file, {**done, "leftovers": leftovers, "subreaper": subreaper})
+    if stopped_before:
         rc = -stopping[0]
     if rc < 0:  # the command died of a signal: die of the same one, so the sweep reports it
         signal.signal(-rc, signal.SIG_DFL)
