@@ -5,6 +5,7 @@ answers cannot catch that: BASE, the fine-tunes and any correct output all give 
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import numpy as np
@@ -98,23 +99,18 @@ def test_repair_that_returned_the_fine_tune_fails_naming_the_tensor(ckpts):
     )
 
 
-def test_repair_that_returned_the_base_fails_naming_the_tensor(ckpts):
+@pytest.mark.parametrize(
+    ("name", "message"),
+    [
+        ("model.layers.2.mlp.down_proj.weight", "equals BASE bit"),  # a matrix that returned the base
+        ("model.norm.weight", "not a matrix, yet it differs from FT's$"),  # norms must be the fine-tune's
+    ],
+)
+def test_repair_output_replaced_by_the_base_fails_naming_the_tensor(ckpts, name, message):
     tmp, base, ft1, _ = ckpts
     good, report = _repair(base, ft1)
-    out = {**good, "model.layers.2.mlp.down_proj.weight": base["model.layers.2.mlp.down_proj.weight"]}
-    with pytest.raises(
-        check.CheckFailed, match="^repair model.layers.2.mlp.down_proj.weight: equals BASE bit"
-    ):
-        check.check_repair(_save(tmp / "base", base), _save(tmp / "ft", ft1), _save(tmp / "out", out), report)
-
-
-def test_repair_norms_must_be_the_fine_tunes(ckpts):
-    tmp, base, ft1, _ = ckpts
-    good, report = _repair(base, ft1)
-    out = {**good, "model.norm.weight": base["model.norm.weight"]}
-    with pytest.raises(
-        check.CheckFailed, match="^repair model.norm.weight: not a matrix, yet it differs from FT's$"
-    ):
+    out = {**good, name: base[name]}
+    with pytest.raises(check.CheckFailed, match=f"^repair {re.escape(name)}: {message}"):
         check.check_repair(_save(tmp / "base", base), _save(tmp / "ft", ft1), _save(tmp / "out", out), report)
 
 
