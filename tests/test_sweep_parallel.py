@@ -28,7 +28,7 @@ from dghard_cli.sweeping import execution, jobs, steps
 from dghard_cli.sweeping.run import SweepOptions, staging_path, sweep
 
 WRAPPER = """
-import json, os, subprocess, sys, time
+import json, os, signal, subprocess, sys, time
 from pathlib import Path
 
 root, model, output, device = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
@@ -57,6 +57,9 @@ if hang and hang in rec["name"]:
     time.sleep(120)
 time.sleep(float(os.environ.get("WRAP_SLEEP", "0")))
 rc = subprocess.call([sys.executable, str(root / "evaluate.py"), model, output])
+# logged means finished: a stop that comes now cannot turn this evaluation into a killed one
+# (it was exiting 0 when the interruption came, and the sweep must keep it)
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
 rec["end"] = time.time()
 with open(root / "wrap.jsonl", "a") as fh:
     fh.write(json.dumps(rec) + "\\n")
@@ -526,6 +529,41 @@ def test_an_evaluation_that_ignores_sigterm_is_killed_and_its_thread_returns(tmp
     assert not t.is_alive() and outcome and time.monotonic() - t0 < evaluate.KILL_GRACE_S + 3
     assert not alive(pid)
     evaluate.allow_evaluations()
+
+
+def test_an_evaluation_whose_command_exits_0_as_the_interruption_comes_is_a_result(tmp_path):
+    """The command was finishing (its results written, exiting 0) when the sweep was interrupted;
+    the sweep discarded it because the reaper had not yet reported the exit, and the resumed sweep
+    evaluated it again (the CI flake at load average 6). The reaper's report decides: a command
+    that exits 0 on its own is kept, however late the report comes."""
+    from dghard_cli.sweeping import evaluate
+
+    started = tmp_path / "started"
+    # SIGTERM ignored: the command finishes its write and exits 0 within the reaper's grace
+    template = f"trap '' TERM; touch {started}; sleep 0.5; echo '{{}}' > {{output}}; exit 0 # {{model}}"
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            outcome.append(
+                evaluate.run_command(
+                    template, tmp_path, tmp_path / "o.json", tmp_path / "logs", timeout=None, label="x"
+                )
+            )
+        except evaluate.EvaluationCancelled as exc:
+            outcome.append(exc)
+
+    evaluate.allow_evaluations()
+    t = threading.Thread(target=run)
+    t.start()
+    while not started.exists():
+        time.sleep(0.02)
+    assert evaluate.terminate_running(wait=evaluate.KILL_GRACE_S + 2) == 1
+    t.join(timeout=20)
+    evaluate.allow_evaluations()
+    assert not t.is_alive() and len(outcome) == 1
+    assert isinstance(outcome[0], evaluate.EvalRun), outcome
+    assert outcome[0].status == "ok" and (tmp_path / "o.json").read_text().strip() == "{}"
 
 
 def test_device_lists_that_would_share_or_escape_a_gpu(pair, tmp_path, monkeypatch):

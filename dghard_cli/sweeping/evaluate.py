@@ -29,6 +29,7 @@ from pathlib import Path
 
 from dghard_cli.errors import InputError
 from dghard_cli.io.files import RESULTS_LIMIT, read_bytes, walk_files
+from dghard_cli.sweeping import reaper
 from dghard_cli.sweeping.command import build_command
 
 #: How much of the command's output the report keeps per evaluation.
@@ -178,16 +179,23 @@ def _end_leftovers(proc: subprocess.Popen) -> bool:
     return True
 
 
-def _command_exited(status: Path | None) -> bool:
-    """Whether the reaper reports that the command itself has exited (it is ending what the
-    command left running): an interruption then keeps the evaluation's result."""
+#: The longest the reaper takes to end the command and its descendants once it is stopped
+#: (it gives up on those it cannot end after that), with a second of slack.
+REAPER_GIVE_UP_S = reaper.GRACE_S + reaper.GIVE_UP_S + 1.0
+
+
+def _command_rc(status: Path | None) -> int | None:
+    """The command's exit status when the reaper reports that the command exited on its own
+    (before any stop reached it, or with status 0 after it): an interruption then keeps the
+    evaluation's result. None: no such report (the command was stopped, or is still running)."""
     if status is None:
-        return False
+        return None
     try:
         doc = json.loads(status.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        return False
-    return isinstance(doc, dict) and isinstance(doc.get("command_rc"), int)
+        return None
+    rc = doc.get("command_rc") if isinstance(doc, dict) else None
+    return rc if isinstance(rc, int) and not isinstance(rc, bool) else None
 
 
 def _wait(proc: subprocess.Popen, timeout: float | None, status: Path | None = None) -> int:
@@ -198,9 +206,18 @@ def _wait(proc: subprocess.Popen, timeout: float | None, status: Path | None = N
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
         if _CANCEL.is_set():
-            if _command_exited(status):  # finished: the reaper is ending its leftovers; keep it
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    return proc.wait(timeout=KILL_GRACE_S + 10)
+            # the group has its SIGTERM (terminate_running): the reaper at its head ends the
+            # command and what it started, then reports whether the command exited on its own
+            # first. That is the verdict, not the moment the interruption was seen: a command
+            # that was exiting 0 when it came is a result (it was discarded, and the resumed
+            # sweep evaluated it again: the flake seen on a loaded machine)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=KILL_GRACE_S + REAPER_GIVE_UP_S)
+                rc = _command_rc(status)
+                if rc is not None:
+                    return rc
             raise EvaluationCancelled("the sweep was interrupted")
         step = 0.25 if deadline is None else min(0.25, max(0.0, deadline - time.monotonic()))
         try:
@@ -209,7 +226,7 @@ def _wait(proc: subprocess.Popen, timeout: float | None, status: Path | None = N
             if deadline is not None and time.monotonic() >= deadline:
                 raise
             continue
-        if rc != 0 and _CANCEL.is_set() and not _command_exited(status):  # killed by the interruption
+        if rc != 0 and _CANCEL.is_set() and _command_rc(status) is None:  # killed by the interruption
             raise EvaluationCancelled("the sweep was interrupted")
         return rc
 
