@@ -487,6 +487,34 @@ def test_an_evaluation_that_finished_but_hands_its_result_back_late_is_still_cac
     assert doc["budget"]["from_cache"] == len(finished) == 4  # BASE, FT and the two candidates
 
 
+def test_an_interruption_while_a_finished_evaluation_is_handled_keeps_it(pair, tmp_path, monkeypatch):
+    """The interruption landed while the sweep's thread handled an evaluation that had finished,
+    before its record was cached: the job had left the jobs in flight, so nothing collected it,
+    and the resume evaluated it again (the stop CI's flake, with the same candidates)."""
+    from dghard_cli.sweeping.cache import Cache
+
+    _reset(pair)
+    real_put, calls = Cache.put, []
+
+    def put(self, key, rec, results):
+        calls.append(key)
+        if len(calls) == 4:  # the 2nd candidate (after BASE and FT), before it is cached
+            raise KeyboardInterrupt
+        return real_put(self, key, rec, results)
+
+    monkeypatch.setattr(Cache, "put", put)
+    out = tmp_path / "out"
+    with pytest.raises(Interrupted):
+        _run(pair, out, monkeypatch, jobs=2)
+    finished = {r["name"] for r in _log(pair)}
+    assert len(calls) >= 5  # the interrupted one was handled again, and cached
+    monkeypatch.setattr(Cache, "put", real_put)
+    (pair.root / "wrap.jsonl").unlink()
+    doc = _run(pair, out, monkeypatch, jobs=2)
+    assert not finished & {r["name"] for r in _log(pair)}  # none evaluated again
+    assert doc["budget"]["from_cache"] == len(finished)
+
+
 def test_an_evaluation_that_deletes_the_staging_directory_stops_the_sweep_with_one_clear_error(
     pair, tmp_path, monkeypatch
 ):

@@ -145,16 +145,21 @@ def run_jobs(s: SweepState, jobs: list[Job], on_done: Callable[[Job, JobResult],
     free = list(range(s.executor.slots))
 
     def finished(handle: object, result: JobResult) -> None:
-        job, slot = flight.pop(handle)
-        free.append(slot)
-        free.sort()
+        job, slot = flight[handle]
         s.running.pop(job.key, None)
-        check_stage(s)
         if result.fatal:
+            flight.pop(handle)
             raise RuntimeFailure(
                 result.fatal, hint="free space (or fix the cause) and run the same command again"
             )
+        check_stage(s)
         on_done(job, result)
+        # in flight until handled: an interruption in the middle of on_done (before its record
+        # is cached) leaves the job there, and the collection below handles it again (a record
+        # is cached whole, and caching it twice is the same record)
+        flight.pop(handle)
+        free.append(slot)
+        free.sort()
 
     try:
         while queue or flight:
@@ -195,8 +200,10 @@ def run_jobs(s: SweepState, jobs: list[Job], on_done: Callable[[Job, JobResult],
         with contextlib.suppress(Exception):
             while flight and time.monotonic() < deadline:
                 for handle, result in s.executor.wait(list(flight), 0.2):
-                    with contextlib.suppress(Exception):
+                    try:
                         finished(handle, result)
+                    except Exception:  # noqa: BLE001 - the first error is the one raised
+                        flight.pop(handle, None)  # failed again: given up, not retried
         if flight:
             s.executor.cancel(list(flight))
         raise
@@ -558,7 +565,7 @@ def keep_or_drop(s: SweepState, key: str) -> None:
     if not cdir.exists():
         shutil.rmtree(jdir, ignore_errors=True)
         return
-    winner, _ = choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective)
+    winner, _ = choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective, s.opts.tie_rule)
     if winner is not None and winner["key"] == key:
         wdir = s.stage / "winner"
         drop(s, wdir)
@@ -625,7 +632,9 @@ def progress_doc(s: SweepState) -> dict:
         running_left = [max(0.0, mean - (now - r["since"])) for r in s.running.values()]
         eta = round(max(running_left, default=0.0) + math.ceil(left / slots) * mean, 1)
     winner, _ = (
-        choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective) if s.rows else (None, None)
+        choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective, s.opts.tie_rule)
+        if s.rows
+        else (None, None)
     )
     finished = {r["name"] for r in s.rows}
     running = [r["name"] for r in s.running.values()]
