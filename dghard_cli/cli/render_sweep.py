@@ -18,6 +18,15 @@ def _fmt_sweep(v: float | None, spec: str = ".1f") -> str:
     return "—" if v is None else f"{v:{spec}}"
 
 
+def _vs_best(r: dict, tied: set[str]) -> str:
+    """The objective's difference from the best ± its (paired) stderr; ``=`` marks the tie set."""
+    d, se = r.get("vs_best"), r.get("vs_best_stderr")
+    if d is None:
+        return "—"
+    text = f"{d:+.1f}" + (f" ± {se:.1f}" if se is not None and d != 0 else "")
+    return text + (" =" if r["name"] in tied else "")
+
+
 def render_sweep(console: Console, doc: dict) -> None:
 
     b = doc["budget"]
@@ -31,6 +40,7 @@ def render_sweep(console: Console, doc: dict) -> None:
         "repair %",
         "retention %",
         "HM",
+        "vs best",
         *(["norm. acc. %"] if norm else []),
         "target %",
         "dist. to FT",
@@ -38,6 +48,7 @@ def render_sweep(console: Console, doc: dict) -> None:
     ):
         t.add_column(col, justify="left" if col in ("candidate", "phase", "status") else "right")
     win = doc["winner"]["order"] if doc["winner"] else None
+    tied = set((doc["winner"] or {}).get("choice", {}).get("tie_set", []))
     for r in doc["candidates"]:
         secs = sum(v for v in (r.get("seconds") or {}).values() if isinstance(v, (int, float)))
         mark = " ★" if r["order"] == win else ""
@@ -52,6 +63,7 @@ def render_sweep(console: Console, doc: dict) -> None:
             _fmt_sweep(r["repair"]),
             _fmt_sweep(r["retention"]),
             _fmt_sweep(r["hm"]) + (f" ± {r['hm_stderr']:.1f}" if r.get("hm_stderr") is not None else ""),
+            _vs_best(r, tied),
             *([_fmt_sweep(r.get("normalised_accuracy"))] if norm else []),
             _fmt_sweep(r["target_retention_mean"]),
             _fmt_sweep(r["distance"], ".3f"),
@@ -87,6 +99,20 @@ def render_sweep(console: Console, doc: dict) -> None:
                 )
             )
         )
+        if w.get("choice"):
+            console.print(Text(f"  chosen: {w['choice']['reason']}"))
+        h = doc.get("holdout")
+        if h and h.get("status") == "ok":
+            hw, opt = h["winner"], h["optimism"]
+            console.print(
+                Text(
+                    f"  held-out ({h['split']}): HM {_fmt_sweep(hw['hm'])}"
+                    + (f" ± {hw['hm_stderr']:.1f}" if hw.get("hm_stderr") is not None else "")
+                    + (f"  optimism {opt:+.1f}" if opt is not None else "")
+                    + (f" ± {h['optimism_stderr']:.1f}" if h.get("optimism_stderr") is not None else "")
+                    + f" (chosen on {h['chosen_on']})"
+                )
+            )
         console.print(Text(f"reproduce: {w['reproduce']['command']}"))
         if w["reproduce"].get("out"):
             console.print(

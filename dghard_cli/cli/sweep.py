@@ -40,7 +40,8 @@ SWEEP_EPILOG = """
     dghard sweep BASE FT OUT --lm-eval gsm8k --budget 32 --executor ray --ray-address auto --eval-resources gpu=1 --jobs 16
 
 The template runs through the shell; {model} and {output} become shell-quoted paths (do not
-quote them yourself), {device} the evaluation's GPU (--devices). {output} does not exist yet:
+quote them yourself), {device} the evaluation's GPU (--devices), {split} 'val' while choosing and
+'test' for one held-out evaluation of BASE, FT and the winner after the choice. {output} does not exist yet:
 write a results JSON file there or a directory with lm-evaluation-harness results*.json. Without
 {output}, print the JSON on stdout. The evaluated set and the winner do not depend on --jobs or
 the executor. An interrupted sweep resumes when the same command is run again. With --json, the
@@ -175,9 +176,15 @@ def sweep_cmd(
     tie_tolerance: Annotated[
         float,
         typer.Option(
-            help="Candidates within this many points of the best --objective are tied; the closest to FT wins."
+            help="Candidates within this many points of the best --objective tie with it (beside --tie-rule); the declared prior picks among them."
         ),
     ] = 0.0,
+    tie_rule: Annotated[
+        float,
+        typer.Option(
+            help="Candidates within this many standard errors of their paired difference from the best tie with it; the declared prior picks among them (the data-free default, else the middle of the family with most tied candidates). 0: only --tie-tolerance."
+        ),
+    ] = 2.0,
     refine: Annotated[
         Optional[list[str]],
         typer.Option(
@@ -291,6 +298,7 @@ def sweep_cmd(
             units=units,
             objective=objective,
             tie_tolerance=tie_tolerance,
+            tie_rule=tie_rule,
             device=device,
             dtype=dtype,
             overwrite=overwrite,

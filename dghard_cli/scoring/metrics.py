@@ -19,7 +19,7 @@ from dghard_cli._version import __version__
 from dghard_cli.errors import InputError
 from dghard_cli.scoring import scales
 from dghard_cli.scoring.results import MAX_SCORE, ResultFile, Score, ScoreLike, _is_number
-from dghard_cli.scoring.uncertainty import uncertainty
+from dghard_cli.scoring.uncertainty import difference_stderr, measure_gradient, uncertainty
 
 SCHEMA_VERSION = 1
 
@@ -379,6 +379,61 @@ def score_one(
         "target_retention_mean": _mean(defined_t),
         "benchmarks": rows,
     }
+
+
+#: The measures a difference can be taken of (fields of a candidate's scores).
+MEASURES = ("hm", "retention", "normalised_accuracy")
+
+
+def differences(
+    base: ResultFile | Mapping[str, ScoreLike],
+    ft: ResultFile | Mapping[str, ScoreLike],
+    candidates: Sequence[tuple[str, ResultFile | Mapping[str, ScoreLike]]],
+    doc: dict,
+    against: str,
+    measure: str = "hm",
+) -> dict[str, dict]:
+    """Each candidate's ``measure`` minus candidate ``against``'s, with the standard error of
+    that difference: ``{name: {"diff", "diff_stderr", "paired"}}``.
+
+    ``doc`` is what :func:`score_candidates` returned for the same ``base``, ``ft`` and
+    ``candidates`` (its partitions and rules). The two candidates share base and fine-tune, and
+    on per-item results their items too, so the difference is far surer than their two
+    stderrs suggest (:func:`uncertainty.difference_stderr`); ``paired``: compared item by item
+    on every benchmark it uses. A difference whose stderr is unknown has ``diff_stderr`` None."""
+    if measure not in MEASURES:
+        raise ValueError(f"measure must be one of {MEASURES}, got {measure!r}")
+    base_r, ft_r, *others = scales.reconcile([base, ft, *(r for _, r in candidates)])
+    b, f = _scores(base_r, "base"), _scores(ft_r, "ft")
+    scores = {n: _scores(r, f"candidate {n}") for (n, _), r in zip(candidates, others, strict=True)}
+    rules = Rules(bool(doc.get("retention_includes_targets")), bool(doc.get("unchanged_in_repair")))
+    by_name = {cd["name"]: cd for cd in doc["candidates"]}
+
+    def gradient(name: str) -> dict:
+        cd = by_name[name]
+        return measure_gradient(
+            measure,
+            scores[name],
+            doc["benchmarks"],
+            cd["repair"],
+            cd["retention"],
+            targets_in_retention=rules.targets_in_retention,
+            unchanged_in_repair=rules.unchanged_in_repair,
+        )
+
+    ref = by_name[against]
+    g_ref = gradient(against) if ref[measure] is not None else {}
+    out: dict[str, dict] = {}
+    for name in scores:
+        v, v0 = by_name[name][measure], ref[measure]
+        if v is None or v0 is None:
+            out[name] = {"diff": None, "diff_stderr": None, "paired": False}
+        elif name == against:
+            out[name] = {"diff": 0.0, "diff_stderr": 0.0, "paired": True}
+        else:
+            se, paired = difference_stderr(gradient(name), g_ref, scores[name], scores[against], b, f)
+            out[name] = {"diff": v - v0, "diff_stderr": se, "paired": paired and se is not None}
+    return out
 
 
 def ranking(cands: list[dict]) -> list[str]:

@@ -152,3 +152,106 @@ def uncertainty(
         "hm_stderr": se_hm,
         "stderr_paired_benchmarks": paired,
     }
+
+
+# -- differences between two candidates (the sweep's comparisons with its incumbent)
+
+Gradient = dict[str, dict[str, float]]
+
+
+def measure_gradient(
+    measure: str,
+    c: Mapping[str, Score],
+    benchmarks: Sequence[dict],
+    repair: float | None,
+    retention: float | None,
+    *,
+    targets_in_retention: bool = False,
+    unchanged_in_repair: bool = False,
+) -> Gradient:
+    """∂(measure)/∂(candidate, base, fine-tune score) per benchmark name, for ``measure`` "hm",
+    "retention" or "normalised_accuracy" (the fields of :func:`metrics.score_one`), at the
+    candidate's scores: the same means the metrics take, differentiated term by term."""
+    rep: list[tuple[str, dict[str, float]]] = []
+    ret: list[tuple[str, dict[str, float]]] = []
+    norm: list[tuple[str, dict[str, float]]] = []
+    for bm in benchmarks:
+        part, k = bm["partition"], bm["name"]
+        b, f, cv = bm["base"], bm["ft"], c[k].value
+        if part == "damaged":
+            rep.append((k, _partials(part, cv, b, f, False)))
+        elif part == "improved" or (part == "target" and targets_in_retention and f != b):
+            ret.append((k, _partials(part, cv, b, f, False)))
+        elif part == "unchanged" and unchanged_in_repair and b > 0:
+            rep.append((k, _partials(part, cv, b, f, True)))
+        if part in ("improved", "target") and bm.get("unit") != "unbounded" and f > 0:
+            norm.append((k, {"c": 100.0 / f, "f": -100.0 * cv / f**2}))
+    if measure == "normalised_accuracy":
+        weights = [(norm, 1.0)]
+    elif measure == "retention":
+        weights = [(ret, 1.0)]
+    else:
+        d_r, d_t = hm_partials(repair, retention)
+        weights = [(rep, d_r), (ret, d_t)]
+    out: Gradient = {}
+    for terms, w in weights:
+        for k, partial in terms:
+            g = out.setdefault(k, {})
+            for role, d in partial.items():
+                g[role] = g.get(role, 0.0) + w * d / len(terms)
+    return out
+
+
+def _joint_cov(scores: Mapping[str, Score], used: Sequence[str]) -> Cov | None:
+    """The covariance of several models' scores on one benchmark: item by item where all of
+    them list the same number of items (the same items), else independent (each its stderr,
+    or the spread of its own items); None where one the difference uses has neither."""
+    items = [s.items for s in scores.values()]
+    if all(it and len(it) == len(items[0]) >= 2 for it in items):
+        return _item_cov({r: s.items for r, s in scores.items()})  # type: ignore[misc]
+    cov: Cov = {}
+    for role in used:
+        sc = scores[role]
+        se = sc.stderr
+        if se is None and sc.items and len(sc.items) >= 2:
+            se = math.sqrt(_item_cov({role: sc.items})[role, role])
+        if se is None:
+            return None
+        cov[role, role] = se * se
+    return cov
+
+
+def difference_stderr(
+    g1: Gradient,
+    g2: Gradient,
+    c1: Mapping[str, Score],
+    c2: Mapping[str, Score],
+    base: Mapping[str, Score],
+    ft: Mapping[str, Score],
+) -> tuple[float | None, bool]:
+    """The standard error of ``measure(c1) − measure(c2)`` (the two candidates' gradients from
+    :func:`measure_gradient`), and whether every benchmark it uses was compared item by item.
+
+    Both candidates are scored against the same base and fine-tune, so their terms in the
+    difference partly cancel; with per-item results the four models' covariance on the same
+    items is used (paired: two candidates that get the same items right differ by little),
+    otherwise the four are taken as independent. None: a score it uses has no standard error."""
+    var, paired = 0.0, True
+    for k in dict.fromkeys([*g1, *g2]):
+        p1, p2 = g1.get(k, {}), g2.get(k, {})
+        grad = {
+            "c1": p1.get("c", 0.0),
+            "c2": -p2.get("c", 0.0),
+            "b": p1.get("b", 0.0) - p2.get("b", 0.0),
+            "f": p1.get("f", 0.0) - p2.get("f", 0.0),
+        }
+        used = [r for r, d in grad.items() if d != 0.0]
+        if not used:
+            continue
+        roles = {"c1": c1[k], "c2": c2[k], "b": base[k], "f": ft[k]}
+        cov = _joint_cov(roles, used)
+        if cov is None:
+            return None, False
+        paired = paired and ("c1", "c2") in cov
+        var += sum(grad[r1] * grad[r2] * cov.get((r1, r2), 0.0) for r1 in used for r2 in used)
+    return math.sqrt(max(var, 0.0)), paired

@@ -98,11 +98,77 @@ def objective(
     return (0, worst, -distance)
 
 
+#: ``--tie-rule`` default: a candidate whose objective is within this many standard errors of
+#: its paired difference from the best ties with the best (tests/test_sweep_noise.py chose it).
+DEFAULT_TIE_RULE = 2.0
+
+#: The declared prior that picks the winner from the tie set, in order (the report and
+#: docs/sweep.md state it). The best observed score is the best candidate plus the luckiest
+#: noise; the middle of the widest plateau is not.
+PRIOR = (
+    "the data-free default (what bare `dghard repair` writes), if it ties",
+    "else the family (candidate-file entry) with the most candidates in the tie set (then the best's)",
+    "and of its tied candidates the middle one by distance to the fine-tune (of two, the farther)",
+)
+
+
+def tie_margin(row: dict, tie_tolerance: float, tie_rule: float) -> float:
+    """How far below the best a candidate may be and still tie with it: ``tie_rule`` standard
+    errors of its paired difference from the best (``vs_best_stderr``; unknown: none), or
+    ``tie_tolerance`` points, whichever is larger."""
+    se = row.get("vs_best_stderr")
+    return max(tie_tolerance, tie_rule * se if se is not None and math.isfinite(se) else 0.0)
+
+
+def incumbent(rows: list[dict], measure: str = "hm") -> dict | None:
+    """The feasible candidate with the best ``measure`` (the first evaluated on an exact tie): the
+    one every other is compared with, item by item where the results allow."""
+    key = OBJECTIVES[measure]
+    feasible = [r for r in rows if r["status"] == "ok" and r[key] is not None and r["feasible"]]
+    return max(feasible, key=lambda r: (r[key], -r["order"]), default=None)
+
+
+def by_prior(tied: list[dict]) -> dict:
+    """The member of the tie set (best first, non-empty) that :data:`PRIOR` ranks first."""
+    for r in tied:
+        if (r.get("prior") or [1])[0] == 0:
+            return r
+    count: dict[int, int] = {}
+    for r in tied:
+        count[r["entry"]] = count.get(r["entry"], 0) + 1
+    entry = max(count, key=lambda e: (count[e], e == tied[0]["entry"], -e))
+    members = sorted((r for r in tied if r["entry"] == entry), key=lambda r: (r["distance"], r["order"]))
+    return members[len(members) // 2]
+
+
+def tie_set(
+    rows: list[dict],
+    min_retention: float | None,
+    tie_tolerance: float,
+    measure: str = "hm",
+    tie_rule: float = 0.0,
+) -> list[dict]:
+    """The feasible candidates that tie with the best (:func:`tie_margin`), best first."""
+    key = OBJECTIVES[measure]
+    best = incumbent(rows, measure)
+    if best is None:
+        return []
+    feasible = [r for r in rows if r["status"] == "ok" and r[key] is not None and r["feasible"]]
+    tied = [r for r in feasible if r[key] >= best[key] - tie_margin(r, tie_tolerance, tie_rule)]
+    return sorted(tied, key=lambda r: (-r[key], r["order"]))
+
+
 def choose_winner(
-    rows: list[dict], min_retention: float | None, tie_tolerance: float, measure: str = "hm"
+    rows: list[dict],
+    min_retention: float | None,
+    tie_tolerance: float,
+    measure: str = "hm",
+    tie_rule: float = 0.0,
 ) -> tuple[dict | None, str | None]:
     """The winner among scored candidate rows (the ``measure``'s field, ``feasible``,
-    ``distance``, ``order``)."""
+    ``distance``, ``order``, and where the sweep compared them ``vs_best_stderr`` and
+    ``prior``): of the candidates that tie with the best (:func:`tie_set`), the first by the
+    declared prior (:func:`by_prior`)."""
     key = OBJECTIVES[measure]
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
@@ -123,6 +189,51 @@ def choose_winner(
             f"no candidate keeps at least {min_retention:g} % of the fine-tune's gain on every target "
             "(--min-target-retention)"
         )
-    best = max(r[key] for r in feasible)
-    tied = [r for r in feasible if r[key] >= best - tie_tolerance]
-    return min(tied, key=lambda r: (r["distance"], r["order"])), None
+    tied = tie_set(rows, min_retention, tie_tolerance, measure, tie_rule)
+    return by_prior(tied), None
+
+
+def explain_choice(
+    rows: list[dict],
+    winner: dict,
+    min_retention: float | None,
+    tie_tolerance: float,
+    measure: str = "hm",
+    tie_rule: float = 0.0,
+) -> dict:
+    """Why ``winner`` won: the best candidate, the tie set (names, best first), the rule, the
+    prior, and one sentence."""
+    key, label = OBJECTIVES[measure], OBJECTIVE_LABELS[measure]
+    tied = tie_set(rows, min_retention, tie_tolerance, measure, tie_rule)
+    best = tied[0] if tied else winner
+    rule = (
+        f"{tie_rule:g} standard error(s) of their paired difference from it"
+        if tie_rule > 0
+        else "no noise rule"
+    )
+    others = [r for r in rows if r is not best and r["status"] == "ok" and r.get(key) is not None]
+    if tie_rule > 0 and others and all(r.get("vs_best_stderr") is None for r in others):
+        rule = "the results give no standard errors: only exact ties count"
+    if tie_tolerance > 0:
+        rule += f", or within {tie_tolerance:g} points (--tie-tolerance)"
+    if len(tied) <= 1:
+        why = f"the best {label} ({winner[key]:.2f}); no other candidate ties with it ({rule})"
+    elif winner is best:
+        why = (
+            f"the best {label} ({best[key]:.2f}), and first by the declared prior among the {len(tied)} "
+            f"candidates that tie with it ({rule})"
+        )
+    else:
+        why = (
+            f"{len(tied)} candidates tie with the best, {best['name']!r} ({label} {best[key]:.2f}) "
+            f"({rule}): differences the evaluation cannot resolve; {winner['name']!r} ({winner[key]:.2f}) "
+            "is first by the declared prior"
+        )
+    return {
+        "best": best["name"],
+        "tie_set": [r["name"] for r in tied],
+        "tie_rule": tie_rule,
+        "tie_tolerance": tie_tolerance,
+        "prior": list(PRIOR),
+        "reason": why,
+    }

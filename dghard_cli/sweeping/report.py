@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from dghard_cli._version import __version__
-from dghard_cli.sweeping.choose import OBJECTIVE_LABELS, OBJECTIVES
+from dghard_cli.sweeping.choose import OBJECTIVE_LABELS, OBJECTIVES, explain_choice
 from dghard_cli.sweeping.state import SweepState
 
 SCHEMA_VERSION = 1
@@ -53,6 +53,8 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
                 "params",
                 "hm",
                 "hm_stderr",
+                "vs_best",
+                "vs_best_stderr",
                 "repair",
                 "retention",
                 "normalised_accuracy",
@@ -64,6 +66,7 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
             )
         }
         win["rewritten_at_end"] = regenerated
+        win["choice"] = explain_choice(s.rows, winner, s.bar, o.tie_tolerance, o.objective, o.tie_rule)
     gate = None
     if o.fail_under is not None:
         label = OBJECTIVE_LABELS[o.objective]
@@ -115,6 +118,7 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
             "min_target_retention": s.bar,
             "objective": o.objective,
             "tie_tolerance": o.tie_tolerance,
+            "tie_rule": o.tie_rule,
             "fail_under": o.fail_under,
             "device": o.device,
             "dtype": o.dtype,
@@ -122,6 +126,8 @@ def report(s: SweepState, winner: dict | None, reason: str | None, regenerated: 
         "candidates_file": s.candidates_source,
         "families": [e.describe() for e in s.active],
         "skipped_families": s.skipped,
+        # the smallest objective difference the evaluation resolves (sweeping/compare.py)
+        "resolution": None if s.resolution is None else round(s.resolution, 3),
         "budget": {
             "total": o.budget,
             "reference_evaluations": s.n_ref_evals,

@@ -45,7 +45,7 @@ from pathlib import Path
 from dghard_cli.errors import CheckFailed, InputError, Interrupted, RuntimeFailure
 from dghard_cli.io.atomic import swap_dir_into_place
 from dghard_cli.io.lock import OutLock
-from dghard_cli.sweeping import integrity, merges, setup, steps
+from dghard_cli.sweeping import compare, holdout, integrity, merges, setup, steps
 from dghard_cli.sweeping import report as sweep_report
 from dghard_cli.sweeping.cache import Cache, dir_bytes, write_json
 from dghard_cli.sweeping.candidates import Candidate, FamilyEntry
@@ -76,7 +76,7 @@ def round_in(s: SweepState, entries: list[FamilyEntry], budget: int) -> list[tup
         objs = [r["objective"] for r in s.rows if r["entry"] == e.index and r["objective"] is not None]
         return max(objs) if objs else None
 
-    return next_round(entries, n, coarse, evaluated, done, allot, rank)
+    return next_round(entries, n, coarse, evaluated, done, allot, rank, compare.ties(s), s.noise_skipped)
 
 
 def search(s: SweepState) -> None:
@@ -143,11 +143,12 @@ def derive_followups(s: SweepState) -> list[FamilyEntry]:
 
 
 def finish(s: SweepState) -> dict:
-    winner, reason = choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective)
+    winner, reason = choose_winner(s.rows, s.bar, s.opts.tie_tolerance, s.opts.objective, s.opts.tie_rule)
     shutil.rmtree(s.stage / "jobs", ignore_errors=True)
     final = s.stage / "final"
     shutil.rmtree(final, ignore_errors=True)
     regenerated = False
+    held: dict | None = None
     if winner is not None:
         wdir = s.stage / "winner"
         kept = steps.on_disk(s, wdir, winner["key"])
@@ -166,6 +167,8 @@ def finish(s: SweepState) -> dict:
                 s.emit(kind="info", message=f"writing the winner {winner['name']} again ({problem})")
                 steps.write_candidate_dir(s, s.cands[winner["key"]], winner["key"], wdir)
                 regenerated = True
+        if holdout.uses_split(s.opts.eval_template):  # the choice is final: now the held-out split
+            held = holdout.evaluate_winner(s, winner, wdir)
         os.replace(wdir, final)
         (s.stage / "winner.key").unlink(missing_ok=True)
     else:
@@ -178,6 +181,19 @@ def finish(s: SweepState) -> dict:
             keyfile.unlink()
         os.replace(kept, final / "candidates")
     doc = sweep_report.report(s, winner, reason, regenerated)
+    doc["holdout"] = held
+    doc["budget"]["refinements_inside_noise"] = len(s.noise_skipped)
+    left = s.cand_budget - len(s.rows)
+    if s.noise_skipped and left > 0:
+        doc.setdefault("notes", []).append(
+            f"{left} candidate evaluation(s) of --budget left unspent: the {len(s.noise_skipped)} refinement "
+            "step(s) left lay between a best point and a neighbour the evaluation cannot tell from it; more "
+            "items, not more candidates, would resolve them"
+        )
+    if held is not None:  # beyond --budget: the estimate, not the search
+        doc["budget"]["held_out_evaluations"] = held["evaluations_run"] + held["from_cache"]
+    if held is not None and held.get("status") != "ok":
+        doc["warnings"].append(f"no held-out estimate of the winner: {held.get('message')}")
     doc["output"]["checkpoint_bytes"] = dir_bytes(final)
     plot, skipped = (
         sweep_report.plot(s, final, winner) if s.opts.plot else (None, "not asked for (plot=False)")
@@ -220,6 +236,7 @@ def run(s: SweepState) -> dict:
             s.ft_rfs = []
             steps.references(s)
             steps.rescore(s)
+            compare.warn_resolution(s)
             search(s)
             return finish(s)
         except KeyboardInterrupt:

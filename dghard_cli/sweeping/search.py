@@ -15,8 +15,10 @@ from the cache) takes exactly the same steps as one that was never interrupted.
    golden-section step that probes both neighbours of its best point ``x`` at once: on each side
    of ``x``, between it and the nearest evaluated point (or range end), a probe at 0.382 of that
    side's width (in log coordinates for log axes), rounded to 4 significant digits, the wider
-   side first; a side narrower than ``tolerance`` × the range, or whose probe rounds onto an
-   evaluated value, is not probed. An entry is done when neither side is; then the next-ranked
+   side first; a side narrower than ``tolerance`` × the range, whose probe rounds onto an
+   evaluated value, or whose evaluated neighbour *ties* with ``x`` (the evaluation cannot tell
+   them apart: :func:`inside_noise`, the gain of the step could not be resolved), is not
+   probed. An entry is done when neither side is; then the next-ranked
    entry is refined. (The ``lines`` family probes every unevaluated compass neighbour of its best
    point at once: :mod:`dghard_cli.sweeping.lines_search`.)
 3. When no entry can be refined, the remaining coarse points are one round; the sweep stops
@@ -72,6 +74,25 @@ def refine_probe(entry: FamilyEntry, points: dict[float, Objective]) -> object |
     return probes[0] if probes else None
 
 
+#: ``ties(entry, a, b)``: whether the entry's candidates at axis values ``a`` and ``b`` tie (the
+#: evaluation cannot tell them apart: :mod:`dghard_cli.sweeping.compare`).
+Ties = Callable[[FamilyEntry, float, float], bool]
+
+
+def inside_noise(entry: FamilyEntry, points: dict, probe: object, ties: Ties | None) -> bool:
+    """Whether a refinement ``probe`` of a one-axis entry lies between its best point and an
+    evaluated neighbour that ties with it: the step's gain could not be resolved, so it is not
+    taken. A side bounded by the range's end (no neighbour evaluated) is probed as before."""
+    if ties is None or not isinstance(probe, float) or not all(isinstance(v, float) for v in points):
+        return False
+    ok = {v: o for v, o in points.items() if o is not None}
+    if not ok:
+        return False
+    best = max(ok, key=lambda v: (ok[v], -v))  # as the family's refine_probes takes it
+    side = [v for v in points if (v - best) * (probe - best) > 0]
+    return bool(side) and ties(entry, best, min(side, key=lambda v: abs(v - best)))
+
+
 def next_round(
     entries: Sequence[FamilyEntry],
     n_fts: int,
@@ -80,13 +101,16 @@ def next_round(
     coarse_done: int,
     allot: int,
     entry_rank: Callable[[FamilyEntry], tuple | None],
+    ties: Ties | None = None,
+    skipped: set | None = None,
 ) -> list[tuple[Candidate, str]]:
     """The next round: candidates to evaluate, each with its phase (``coarse`` | ``refine``);
     empty when the search is done.
 
     ``evaluated`` maps a candidate's ``params`` to its objective; ``entry_rank`` gives an
-    entry's best objective (None when it has no successful candidate). The caller cuts a round
-    to the budget it has left.
+    entry's best objective (None when it has no successful candidate); ``ties``: a refinement
+    probe :func:`inside_noise` is not taken (added to ``skipped`` as (entry index, probe)). The
+    caller cuts a round to the budget it has left.
     """
     pending = [c for c in coarse if c.params not in evaluated]
     if coarse_done < allot and pending:
@@ -97,6 +121,10 @@ def next_round(
         pts = entry_points(e, n_fts, coarse, evaluated)
         step: list[tuple[Candidate, str]] = []
         for probe in refine_probes(e, pts):
+            if inside_noise(e, pts, probe, ties):
+                if skipped is not None:
+                    skipped.add((e.index, probe))
+                continue
             cand = make_candidate(e, probe, n_fts=n_fts)
             if cand.params not in evaluated and all(cand.params != c.params for c, _ in step):
                 step.append((cand, "refine"))

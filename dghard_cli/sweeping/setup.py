@@ -42,6 +42,7 @@ def validate(s: SweepState) -> None:
     for name, v in (
         ("--min-target-retention", o.min_target_retention),
         ("--tie-tolerance", o.tie_tolerance),
+        ("--tie-rule", o.tie_rule),
     ):
         if v is not None and not math.isfinite(v):
             raise InputError(f"{name} must be finite, got {v}")
@@ -49,6 +50,8 @@ def validate(s: SweepState) -> None:
         raise InputError(f"--objective {o.objective!r} is not one of {', '.join(OBJECTIVES)}")
     if o.tie_tolerance < 0:
         raise InputError(f"--tie-tolerance must be >= 0 points, got {o.tie_tolerance}")
+    if not 0 <= o.tie_rule <= 10:
+        raise InputError(f"--tie-rule must be a number of standard errors in [0, 10], got {o.tie_rule}")
     if o.margin is not None and not (math.isfinite(o.margin) and o.margin >= 0):
         raise InputError(f"--margin must be a finite number >= 0, got {o.margin}")
     if o.fail_under is not None and not math.isfinite(o.fail_under):

@@ -14,6 +14,7 @@ from dghard_cli.io.checkpoint import Checkpoint
 from dghard_cli.scoring.results import MetricRule, ResultFile, Score
 from dghard_cli.sweeping.cache import Cache
 from dghard_cli.sweeping.candidates import Candidate, FamilyEntry
+from dghard_cli.sweeping.choose import DEFAULT_TIE_RULE
 from dghard_cli.sweeping.defaults import DEFAULT_BUDGET
 from dghard_cli.sweeping.executors import Executor
 
@@ -40,6 +41,9 @@ class SweepOptions:
     metric: list[str] | None = None
     units: str = "auto"  # auto | fraction | points: how every results file's numbers are read
     tie_tolerance: float = 0.0
+    #: candidates within this many standard errors of their paired difference from the best tie
+    #: with it, and the declared prior picks among them (sweeping/choose.py); 0: off
+    tie_rule: float = DEFAULT_TIE_RULE
     #: what the search maximises (sweeping/choose.OBJECTIVES): hm | retention | normalised-accuracy
     objective: str = "hm"
     device: str = "auto"
@@ -102,6 +106,10 @@ class CandidateRow(TypedDict, total=False):
     target_retention_mean: float | None
     feasible: bool
     objective: tuple | None
+    vs_best: float | None  # the objective minus the best's (the incumbent's)
+    vs_best_stderr: float | None  # its standard error (paired item by item where possible)
+    vs_best_paired: bool
+    prior: list  # [0] for the data-free default, else [1]: choose.PRIOR
 
 
 @dataclass
@@ -148,6 +156,14 @@ class SweepState:
     records: dict[str, dict] = field(default_factory=dict)  # candidate key -> cache record
     cands: dict[str, Candidate] = field(default_factory=dict)
     score_doc: dict | None = None  # the scoring of every row (steps.rescore)
+    #: the smallest objective difference the evaluation resolves (compare.resolution), or None
+    resolution: float | None = None
+    #: refinement probes not taken because their step's gain lay inside the noise (entry, value)
+    noise_skipped: set = field(default_factory=set)
+    #: what compare_with_best scored (the fine-tune reference and the named results), for ties()
+    compared: tuple | None = None
+    #: held-out evaluations run by this invocation (``{split}``: sweeping/holdout.py)
+    holdout_runs: int = 0
     ref_scores: dict[str, dict] = field(default_factory=dict)
     disk_peak: int = 0
     run_count: int = 0

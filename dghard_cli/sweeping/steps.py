@@ -45,6 +45,8 @@ from dghard_cli.scoring.results import ResultFile, Score, read_results
 from dghard_cli.sweeping.cache import digest, dir_bytes, input_identity
 from dghard_cli.sweeping.candidates import Candidate, reproduced_out, shell_command
 from dghard_cli.sweeping.choose import OBJECTIVES, choose_winner, objective, target_ok
+from dghard_cli.sweeping.command import CHOOSE_SPLIT, for_split
+from dghard_cli.sweeping.compare import compare_with_best
 from dghard_cli.sweeping.families import reproduce_argv, writes_adapter
 from dghard_cli.sweeping.jobs import (
     CANDIDATE_DIR,
@@ -108,10 +110,12 @@ def spec_for_job(s: SweepState, spec: str) -> str:
 
 
 def eval_job(s: SweepState, key: str, label: str, **kw) -> Job:
+    """A job for ``key``; the template is the sweep's (``{split}`` = ``val``: the split it
+    chooses on, :mod:`.holdout`) unless ``template`` is given."""
     return Job(
         key=key,
         label=label,
-        template=s.opts.eval_template,
+        template=kw.pop("template", None) or for_split(s.opts.eval_template, CHOOSE_SPLIT),
         timeout=s.opts.eval_timeout,
         workdir=str(s.job_dir(key)),
         base=spec_for_job(s, s.base_spec),
@@ -705,3 +709,4 @@ def rescore(s: SweepState) -> None:
             r[k] = cd[k] if cd else None
         r["feasible"] = bool(cd) and target_ok(cd, s.bar)
         r["objective"] = objective(cd, r["distance"], s.bar, s.opts.objective)
+    compare_with_best(s, refs + scored)
