@@ -361,3 +361,104 @@ def test_refinement_steps_inside_the_noise_are_not_taken_and_the_unspent_budget_
     assert len(refined) > len({r["entry"] for r in plain["candidates"] if r["phase"] == "refine"})
     if noisy["budget"]["used"] < 14:
         assert any("left unspent" in n for n in noisy.get("notes", []))
+
+
+# -- found by review
+
+
+def test_tie_rule_0_is_the_earlier_rule_exactly():
+    rows = [
+        _row("near", 80.0, 1.0, entry=0, distance=0.1, order=1),
+        _row("far", 80.0, 1.0, entry=0, distance=0.3, order=2),
+    ]
+    assert choose_winner(rows, None, 0.0, "hm", 0.0)[0]["name"] == "near"  # closest to FT, as before
+    assert choose_winner(rows, None, 0.0, "hm", 2.0)[0]["name"] == "far"  # the prior's middle of two
+
+
+def test_two_candidates_with_items_are_paired_when_base_and_ft_give_stderrs_only():
+    rng = np.random.default_rng(3)
+    us = {k: rng.random(200) for k in BENCH}
+    base = {k: Score(_score(us[k], BENCH[k][1]).value, 2.0) for k in BENCH}
+    ft = {k: Score(_score(us[k], BENCH[k][2]).value, 2.0) for k in BENCH}
+    c1 = {k: _score(us[k], _true_acc(k, 0.75, 0.70)) for k in BENCH}
+    c2 = {k: _score(us[k], _true_acc(k, 0.70, 0.75)) for k in BENCH}
+    cands = [("c1", c1), ("c2", c2)]
+    doc = score_candidates(base, ft, cands, margin=5.0)
+    paired = differences(base, ft, cands, doc, "c2")["c1"]
+    strip = [(n, {k: Score(v.value, v.stderr) for k, v in c.items()}) for n, c in cands]
+    unpaired = differences(base, ft, strip, score_candidates(base, ft, strip, margin=5.0), "c2")["c1"]
+    assert paired["paired"] and not unpaired["paired"]
+    assert paired["diff_stderr"] < 0.5 * unpaired["diff_stderr"]
+
+
+def test_a_failed_job_waited_on_again_gives_the_same_result():
+    from dghard_cli.sweeping.executors import LocalExecutor
+
+    def fn(job, assignment):
+        raise OSError("the worker lost its scratch disk")
+
+    errors: list = []
+
+    def on_error(job, exc):
+        errors.append(job)
+        return ("failed", job, str(exc))
+
+    ex = LocalExecutor(fn, 1, on_error)
+    h = ex.submit("job-a", {})
+    first = ex.wait([h], timeout=10)
+    again = ex.wait([h], timeout=10)  # the sweep handles a job once more after an interruption
+    ex.close()
+    assert first == again == [(h, ("failed", "job-a", "the worker lost its scratch disk"))]
+    assert errors == ["job-a"]
+
+
+def test_a_command_that_answers_the_interruption_with_exit_0_and_no_results_is_not_cached(tmp_path):
+    import threading
+    import time
+
+    from dghard_cli.sweeping import evaluate
+    from dghard_cli.sweeping.jobs import Job, run_job
+
+    started = tmp_path / "started"
+    template = f"trap 'echo partial > {{output}}; exit 0' TERM; touch {started}; sleep 30 & wait # {{model}}"
+    job = Job(key="k", label="x", template=template, timeout=None, workdir=str(tmp_path / "w"), base="b",
+              device="cpu", model=str(tmp_path))  # fmt: skip
+    out: list = []
+    evaluate.allow_evaluations()
+    t = threading.Thread(target=lambda: out.append(run_job(job)))
+    t.start()
+    while not started.exists():
+        time.sleep(0.02)
+    evaluate.terminate_running(wait=evaluate.KILL_GRACE_S + 2)
+    t.join(timeout=30)
+    evaluate.allow_evaluations()
+    assert out and out[0].cacheable is False and out[0].rec["status"] == "failed"
+    assert "interrupted" in out[0].rec["message"]
+
+
+def test_a_held_out_evaluation_that_writes_into_the_winner_is_reported_and_the_winner_written_again(
+    pair, tmp_path, monkeypatch
+):
+    q = shlex.quote
+    evil = SPLIT_EVAL.replace(
+        "rc = subprocess.call(",
+        "if split == 'test' and 'BASE' not in os.environ['DGHARD_CANDIDATE'] and 'FT' not in "
+        "os.environ['DGHARD_CANDIDATE']:\n    open(os.path.join(model, 'planted.txt'), 'w').write('x')\n"
+        "rc = subprocess.call(",
+    )
+    (pair.root / "evil.py").write_text(evil)
+    log = tmp_path / "log.jsonl"
+    template = (
+        f"{q(sys.executable)} {q(str(pair.root / 'evil.py'))} {{model}} {{output}} {q(str(pair.script))} "
+        f"{{split}} {q(str(log))}"
+    )
+    out = tmp_path / "out"
+    doc = sweep(
+        pair.base,
+        pair.ft,
+        out,
+        SweepOptions(eval_template=template, budget=8, candidates=pair.candidates, plot=False),
+    )
+    assert doc["holdout"]["status"] == "failed" and "written again" in doc["holdout"]["message"]
+    assert any("no held-out estimate" in w for w in doc["warnings"])
+    assert out.is_dir() and not (out / "planted.txt").exists() and doc["winner"] is not None

@@ -203,14 +203,23 @@ def measure_gradient(
 
 
 def _joint_cov(scores: Mapping[str, Score], used: Sequence[str]) -> Cov | None:
-    """The covariance of several models' scores on one benchmark: item by item where all of
-    them list the same number of items (the same items), else independent (each its stderr,
-    or the spread of its own items); None where one the difference uses has neither."""
-    items = [s.items for s in scores.values()]
-    if all(it and len(it) == len(items[0]) >= 2 for it in items):
-        return _item_cov({r: s.items for r, s in scores.items()})  # type: ignore[misc]
+    """The covariance of several models' scores on one benchmark: item by item among the models
+    that list the same number of items (the same items: two candidates are paired even where
+    BASE's and FT's results give stderrs only), the others independent (each its stderr, or the
+    spread of its own items); None where one the difference uses has neither."""
+    # the models that list the same number of items answered the same items: their joint
+    # covariance from the items; any other is independent of them (its stderr alone)
+    counts: dict[int, list[str]] = {}
+    for role, sc in scores.items():
+        if sc.items and len(sc.items) >= 2:
+            counts.setdefault(len(sc.items), []).append(role)
+    group = max(counts.values(), key=len, default=[])
     cov: Cov = {}
+    if len(group) >= 2 and any(r in group for r in used):
+        cov.update(_item_cov({r: scores[r].items for r in group}))  # type: ignore[misc]
     for role in used:
+        if role in group and len(group) >= 2:
+            continue
         sc = scores[role]
         se = sc.stderr
         if se is None and sc.items and len(sc.items) >= 2:

@@ -168,7 +168,8 @@ def choose_winner(
     """The winner among scored candidate rows (the ``measure``'s field, ``feasible``,
     ``distance``, ``order``, and where the sweep compared them ``vs_best_stderr`` and
     ``prior``): of the candidates that tie with the best (:func:`tie_set`), the first by the
-    declared prior (:func:`by_prior`)."""
+    declared prior (:func:`by_prior`). ``tie_rule`` 0 is the earlier rule: of the candidates
+    within ``tie_tolerance`` of the best, the closest to the fine-tune."""
     key = OBJECTIVES[measure]
     ok = [r for r in rows if r["status"] == "ok"]
     if not ok:
@@ -190,6 +191,8 @@ def choose_winner(
             "(--min-target-retention)"
         )
     tied = tie_set(rows, min_retention, tie_tolerance, measure, tie_rule)
+    if tie_rule <= 0:  # the earlier rule, unchanged: of the tied, the closest to the fine-tune
+        return min(tied, key=lambda r: (r["distance"], r["order"])), None
     return by_prior(tied), None
 
 

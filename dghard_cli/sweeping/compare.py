@@ -138,6 +138,8 @@ def ties(s: SweepState) -> Callable[[FamilyEntry, float, float], bool]:
         ra, rb = at(entry, a), at(entry, b)
         if ra is None or rb is None or ra[measure] is None or rb[measure] is None or s.score_doc is None:
             return False
+        if not (ra["feasible"] and rb["feasible"]):  # refinement toward the target bar: not HM's noise
+            return False
         gap = abs(ra[measure] - rb[measure])
         if gap <= s.opts.tie_tolerance:
             return True

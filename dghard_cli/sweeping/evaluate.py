@@ -65,6 +65,8 @@ _RUNNING_LOCK = threading.Lock()
 #: Set by :func:`terminate_running`: every thread waiting on an evaluation kills its group
 #: (SIGTERM, then SIGKILL after the grace period) and raises :class:`EvaluationCancelled`.
 _CANCEL = threading.Event()
+#: The evaluations :func:`terminate_running` has sent their SIGTERM.
+_SIGNALLED: set[subprocess.Popen] = set()
 
 
 class EvaluationCancelled(Exception):
@@ -74,6 +76,13 @@ class EvaluationCancelled(Exception):
 def allow_evaluations() -> None:
     """Clear a previous cancellation (a new sweep in the same process)."""
     _CANCEL.clear()
+    with _RUNNING_LOCK:
+        _SIGNALLED.clear()
+
+
+def interrupted() -> bool:
+    """Whether the evaluations of this process are being taken down (an interruption)."""
+    return _CANCEL.is_set()
 
 
 def terminate_running(wait: float | None = None) -> int:
@@ -83,6 +92,7 @@ def terminate_running(wait: float | None = None) -> int:
     _CANCEL.set()
     with _RUNNING_LOCK:
         procs = list(_RUNNING)
+        _SIGNALLED.update(procs)  # one SIGTERM each: a second one means "force quit" to many tools
     for proc in procs:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(proc.pid, signal.SIGTERM)
@@ -211,8 +221,11 @@ def _wait(proc: subprocess.Popen, timeout: float | None, status: Path | None = N
             # first. That is the verdict, not the moment the interruption was seen: a command
             # that was exiting 0 when it came is a result (it was discarded, and the resumed
             # sweep evaluated it again: the flake seen on a loaded machine)
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(proc.pid, signal.SIGTERM)
+            with _RUNNING_LOCK:
+                signalled = proc in _SIGNALLED
+            if not signalled:  # started as the interruption came: terminate_running missed it
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=KILL_GRACE_S + REAPER_GIVE_UP_S)
                 rc = _command_rc(status)
@@ -291,6 +304,7 @@ def run_command(
         finally:
             with _RUNNING_LOCK:
                 _RUNNING.discard(proc)
+                _SIGNALLED.discard(proc)
     secs = time.perf_counter() - t0
     if rc != 0:
         tail = _tail(err_log) or _tail(out_log)

@@ -80,6 +80,7 @@ class LocalExecutor:
         self._pool = ThreadPoolExecutor(max_workers=slots, thread_name_prefix="dghard-job")
         self._jobs: dict[Future, Any] = {}
         self._cancelled: set[Future] = set()
+        self._results: dict[Future, Any] = {}
 
     def submit(self, job: object, assignment: dict) -> Future:
         fut = self._pool.submit(self._fn, job, dict(assignment))
@@ -87,14 +88,21 @@ class LocalExecutor:
         return fut
 
     def _result(self, fut: Future) -> Any:
+        # a handle may be waited on again (the sweep handles a job once more when an
+        # interruption landed while it handled it): its result is the one already given
+        if fut in self._results:
+            return self._results[fut]
         job = self._jobs.pop(fut, None)
         if fut in self._cancelled:
             self._cancelled.discard(fut)
-            return self._on_error(job, CancelledError("cancelled"))
-        try:
-            return fut.result()
-        except BaseException as exc:  # noqa: BLE001 - any failure of one job is that job's result
-            return self._on_error(job, exc)
+            res = self._on_error(job, CancelledError("cancelled"))
+        else:
+            try:
+                res = fut.result()
+            except BaseException as exc:  # noqa: BLE001 - any failure of one job is that job's result
+                res = self._on_error(job, exc)
+        self._results[fut] = res
+        return res
 
     def wait(self, handles: list, timeout: float | None) -> list[tuple[object, object]]:
         if not handles:

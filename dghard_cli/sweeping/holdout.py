@@ -27,7 +27,7 @@ from dghard_cli.sweeping.cache import digest, input_identity
 from dghard_cli.sweeping.command import CHOOSE_SPLIT, HELD_OUT_SPLIT, for_split, uses_split
 from dghard_cli.sweeping.jobs import Job, JobResult
 from dghard_cli.sweeping.state import SweepState
-from dghard_cli.sweeping.steps import as_adapter, eval_job, run_jobs
+from dghard_cli.sweeping.steps import as_adapter, eval_job, run_jobs, spec_for_job, write_candidate_dir
 
 
 def evaluate_winner(s: SweepState, winner: dict, wdir: Path) -> dict:
@@ -39,6 +39,7 @@ def evaluate_winner(s: SweepState, winner: dict, wdir: Path) -> dict:
     template = for_split(s.opts.eval_template, HELD_OUT_SPLIT)
     snap = integrity.snapshot(wdir)
     items: list[tuple[str, str, Job]] = []
+    before: dict[str, object] = {}
     for label, ck in [("base", s.base_ck), *((f"ft{i + 1}", ck) for i, ck in enumerate(s.ft_cks))]:
         key = digest(
             {
@@ -48,7 +49,8 @@ def evaluate_winner(s: SweepState, winner: dict, wdir: Path) -> dict:
                 "dghard": __version__,
             }
         )
-        model = str(ck.path.resolve())
+        model = spec_for_job(s, ck.source) if is_adapter(ck) else str(ck.path.resolve())  # as references()
+        before[label] = input_identity(ck)
         items.append((label, key, eval_job(s, key, f"{label.upper()} ({HELD_OUT_SPLIT})", template=template,
                                            model=model, model_is_adapter=is_adapter(ck))))  # fmt: skip
     wkey = digest({"held-out": "winner", "candidate": winner["key"], "template": s.opts.eval_template})
@@ -81,11 +83,21 @@ def evaluate_winner(s: SweepState, winner: dict, wdir: Path) -> dict:
                  "from_cache": len(items) - len(todo)}  # fmt: skip
     s.holdout_runs = len(todo)
     changed = integrity.changed(wdir, snap)
-    if changed:
-        raise InputError(
-            f"the held-out evaluation changed the winner it evaluated ({changed}); evaluate {{model}} without "
-            "writing into it"
+    if changed:  # the winner is written again (OUT gets what its command writes); no estimate
+        write_candidate_dir(s, s.cands[winner["key"]], winner["key"], wdir)
+        out.update(
+            status="failed",
+            message=f"the evaluation changed the winner it evaluated ({changed}), which was written again; "
+            "evaluate {model} without writing into it",
         )
+        return out
+    inputs = [
+        (lb, ck) for lb, ck in [("base", s.base_ck), *((f"ft{i + 1}", c) for i, c in enumerate(s.ft_cks))]
+    ]
+    moved = next((lb for lb, ck in inputs if input_identity(ck) != before[lb]), None)
+    if moved is not None:
+        out.update(status="failed", message=f"the evaluation modified {moved.upper()} while evaluating it")
+        return out
     failed = [(lb, r) for lb, r in recs.items() if r["status"] != "ok"]
     if failed or len(recs) != len(items):
         lb, r = failed[0] if failed else ("?", {"message": "not evaluated"})

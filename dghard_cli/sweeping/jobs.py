@@ -42,7 +42,7 @@ from pathlib import Path
 from dghard_cli.errors import InputError, RuntimeFailure
 from dghard_cli.sweeping import integrity
 from dghard_cli.sweeping.candidates import Candidate
-from dghard_cli.sweeping.evaluate import locate_results, run_command
+from dghard_cli.sweeping.evaluate import interrupted, locate_results, run_command
 
 #: Names inside a job's directory.
 CANDIDATE_DIR = "candidate"
@@ -345,4 +345,23 @@ def run_job(job: Job, assignment: dict | None = None) -> JobResult:
                 f"the evaluation command changed the candidate it evaluated ({tampered}); its "
                 "results are discarded (evaluate {model} without writing into it)"
             )
+    if interrupted() and not _readable_json(results):
+        # it exited 0 as the interruption came, but what it wrote is not a results file (a
+        # command that answers SIGTERM with exit 0): evaluated again on resume, never cached
+        rec.update(status="failed", message="interrupted before it wrote its results", log_tail=None)
+        return JobResult(job.key, rec, None, prepared, cacheable=False)
     return JobResult(job.key, rec, results, prepared)
+
+
+def _readable_json(path: str | None) -> bool:
+    """Whether ``path`` is a JSON document (what a finished evaluation leaves)."""
+    import json
+
+    if path is None:
+        return False
+    try:
+        with open(path, "rb") as fh:
+            json.loads(fh.read())
+    except (OSError, ValueError):
+        return False
+    return True

@@ -9,11 +9,13 @@ user's own evaluation command, within a budget of evaluations.
    directory, evaluated, scored with ``score``'s definitions against the references, and
    deleted unless it is the best so far.
 3. **Choice**: the winner maximises HM among the candidates whose every target keeps at least
-   ``min_target_retention`` % of the fine-tune's gain (when a bar is in force); candidates within ``tie_tolerance``
-   points of the best HM are tied and the one *closest to the fine-tune* wins: the smallest
+   ``min_target_retention`` % of the fine-tune's gain (when a bar is in force); candidates within
+   ``tie_rule`` standard errors of their paired difference from the best (or ``tie_tolerance``
+   points) tie with it, and the declared prior of :mod:`.choose` picks among them (the data-free
+   default, else the middle of the widest family plateau by distance to the fine-tune: the
    ‖W_c − W_ref‖ / ‖W_ref − W_base‖ over all floating tensors, with W_ref = FT (several
-   fine-tunes: W_base + Σ_i Δ_i, every fine-tune's whole update), measured on the written
-   checkpoint (a LoRA adapter as BASE + ΔW, as FT is read); then the earlier evaluated.
+   fine-tunes: W_base + Σ_i Δ_i), measured on the written checkpoint). ``tie_rule`` 0: the
+   earlier rule, of the tied the closest to the fine-tune, then the earlier evaluated.
 4. **Output**: OUT receives the winner's checkpoint (or adapter) exactly as the printed command writes it,
    plus ``sweep_report.json`` and, with matplotlib, ``sweep_frontier.png``. Nothing else
    stays on disk. An interrupted sweep keeps ``.OUT.dghard-sweep`` beside OUT: its cache
@@ -186,9 +188,9 @@ def finish(s: SweepState) -> dict:
     left = s.cand_budget - len(s.rows)
     if s.noise_skipped and left > 0:
         doc.setdefault("notes", []).append(
-            f"{left} candidate evaluation(s) of --budget left unspent: the {len(s.noise_skipped)} refinement "
-            "step(s) left lay between a best point and a neighbour the evaluation cannot tell from it; more "
-            "items, not more candidates, would resolve them"
+            f"{left} candidate evaluation(s) of --budget left unspent; {len(s.noise_skipped)} refinement "
+            "step(s) were not taken because they lay between a best point and a neighbour the evaluation "
+            "cannot tell from it (more items, not more candidates, would resolve them)"
         )
     if held is not None:  # beyond --budget: the estimate, not the search
         doc["budget"]["held_out_evaluations"] = held["evaluations_run"] + held["from_cache"]

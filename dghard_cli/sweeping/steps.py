@@ -203,9 +203,10 @@ def run_jobs(s: SweepState, jobs: list[Job], on_done: Callable[[Job, JobResult],
         deadline = time.monotonic() + (COLLECT_REMOTE_S if s.remote else COLLECT_AFTER_INTERRUPT_S)
         with contextlib.suppress(Exception):
             while flight and time.monotonic() < deadline:
-                for handle, result in s.executor.wait(list(flight), 0.2):
+                for handle in list(flight):
                     try:
-                        finished(handle, result)
+                        for h, result in s.executor.wait([handle], 0.2 / max(1, len(flight))):
+                            finished(h, result)
                     except Exception:  # noqa: BLE001 - the first error is the one raised
                         flight.pop(handle, None)  # failed again: given up, not retried
         if flight:
