@@ -65,13 +65,18 @@ def score_cov(c: Score, b: Score, f: Score) -> Cov | None:
         return _item_cov({"c": c.items, "b": b.items, "f": f.items})
     cov: Cov = {}
     for role, sc in (("c", c), ("b", b), ("f", f)):
-        se = sc.stderr
-        if se is None and sc.items and len(sc.items) >= 2:
-            se = math.sqrt(_item_cov({role: sc.items})[role, role])
+        se = own_stderr(sc)
         if se is None:
             return None
         cov[role, role] = se * se
     return cov
+
+
+def own_stderr(sc: Score) -> float | None:
+    """A score's standard error: the results' own, else the spread of its items; None: neither."""
+    if sc.stderr is None and sc.items and len(sc.items) >= 2:
+        return math.sqrt(_item_cov({"x": sc.items})["x", "x"])
+    return sc.stderr
 
 
 def _mean_stderr(terms: Sequence[tuple[dict[str, float], Cov | None]]) -> float | None:
@@ -220,10 +225,7 @@ def _joint_cov(scores: Mapping[str, Score], used: Sequence[str]) -> Cov | None:
     for role in used:
         if role in group and len(group) >= 2:
             continue
-        sc = scores[role]
-        se = sc.stderr
-        if se is None and sc.items and len(sc.items) >= 2:
-            se = math.sqrt(_item_cov({role: sc.items})[role, role])
+        se = own_stderr(scores[role])
         if se is None:
             return None
         cov[role, role] = se * se

@@ -124,8 +124,12 @@ def incumbent(rows: list[dict], measure: str = "hm") -> dict | None:
     """The feasible candidate with the best ``measure`` (the first evaluated on an exact tie): the
     one every other is compared with, item by item where the results allow."""
     key = OBJECTIVES[measure]
-    feasible = [r for r in rows if r["status"] == "ok" and r[key] is not None and r["feasible"]]
-    return max(feasible, key=lambda r: (r[key], -r["order"]), default=None)
+    return max(_qualifying(rows, key), key=lambda r: (r[key], -r["order"]), default=None)
+
+
+def _qualifying(rows: list[dict], key: str) -> list[dict]:
+    """The rows evaluated, with the objective ``key`` defined, that meet the target bar."""
+    return [r for r in rows if r["status"] == "ok" and r[key] is not None and r["feasible"]]
 
 
 def by_prior(tied: list[dict]) -> dict:
@@ -153,8 +157,7 @@ def tie_set(
     best = incumbent(rows, measure)
     if best is None:
         return []
-    feasible = [r for r in rows if r["status"] == "ok" and r[key] is not None and r["feasible"]]
-    tied = [r for r in feasible if r[key] >= best[key] - tie_margin(r, tie_tolerance, tie_rule)]
+    tied = [r for r in _qualifying(rows, key) if r[key] >= best[key] - tie_margin(r, tie_tolerance, tie_rule)]
     return sorted(tied, key=lambda r: (-r[key], r["order"]))
 
 
