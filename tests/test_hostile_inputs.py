@@ -233,7 +233,8 @@ def test_hostile_checkpoint_rows(template, tmp_path, row):
 
 
 @pytest.mark.parametrize("spec", ["a/b/c", "org/na me", "../x", "org/..", "org/", "/org/name", "org\\name"])
-def test_hub_ids_that_are_not_org_name(template, tmp_path, spec):
+def test_hub_ids_that_are_not_org_name(template, tmp_path, monkeypatch, spec):
+    monkeypatch.chdir(tmp_path)  # '../x' must not name a directory beside wherever the suite runs
     r = CliRunner().invoke(app, ["repair", str(template / "base"), spec, str(tmp_path / "out")])
     assert r.exit_code == 2
     assert "not a Hugging Face Hub id" in r.stderr or "no such directory" in r.stderr
